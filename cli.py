@@ -1,0 +1,118 @@
+"""The `quantgate` command line: a thin layer over functions a user can import.
+
+Installed as `quantgate.cli`. Every bad input ends in one `error: ...` line on stderr and exit code 2;
+Ctrl-C ends with exit code 130. Nothing half-written is left behind (see quantgate.fsio).
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from quantgate import __version__
+from quantgate.errors import QuantgateError
+
+
+class QuantgateGroup(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except QuantgateError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=QuantgateGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="quantgate")
+def main():
+    """Quantize and deploy LLMs with gated attention, and measure what the gate does to outliers.
+
+    Start with `quantgate demo`: it trains a baseline and a gated twin on text that ships with
+    Python itself and evaluates both.
+    """
+
+
+def _emit(obj: dict, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(obj, indent=2))
+    else:
+        for k, v in obj.items():
+            click.echo(f"{k:>20}: {v}")
+
+
+DATA_HELP = ("text source: 'embedded' (the Python standard library's sources, always available), a text "
+             "file, a folder, a glob, a WikiText-style file, or a local HF datasets folder (save_to_disk)")
+
+
+@main.command()
+@click.option("--preset", type=click.Choice(["tiny", "small", "base"]), default="small", show_default=True,
+              help="model size: tiny (tests), small (CPU demo), base (~100M, GPU)")
+@click.option("--gate", type=click.Choice(["none", "headwise", "elementwise"]), default="elementwise",
+              show_default=True, help="attention output gate (with --twins: the gated twin's)")
+@click.option("--twins", is_flag=True, help="train a baseline and a gated model side by side: same init, same batches")
+@click.option("--data", default="embedded", show_default=True, help=DATA_HELP)
+@click.option("--out", required=True, type=click.Path(), help="run directory (state/, baseline/, gated/)")
+@click.option("--steps", default=1800, show_default=True)
+@click.option("--batch-size", default=8, show_default=True, help="global batch (split over torchrun ranks)")
+@click.option("--ctx", default=256, show_default=True, help="window length in tokens, BOS included")
+@click.option("--lr", default=3e-3, show_default=True)
+@click.option("--warmup", default=100, show_default=True)
+@click.option("--weight-decay", default=0.1, show_default=True)
+@click.option("--grad-clip", default=1.0, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--vocab-size", type=int, default=None, help="BPE vocabulary (default: the preset's)")
+@click.option("--byte-tokenizer", is_flag=True, help="256 bytes + specials instead of BPE")
+@click.option("--max-chars", type=int, default=None, help="use only the first N characters of the corpus")
+@click.option("--ckpt-every", default=200, show_default=True, help="write a resumable checkpoint every N steps")
+@click.option("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda (bf16 autocast)")
+@click.option("--resume", is_flag=True, help="continue the run in --out from its last checkpoint")
+def train(out, resume, **kw):
+    """Train a model (or twins) from scratch. Multi-GPU/multi-process: run under torchrun."""
+    from quantgate.train import TrainConfig
+    from quantgate.train import train as run_train
+    paths = run_train(TrainConfig(**kw), out, resume=resume)
+    for role, p in paths.items():
+        click.echo(f"{role}: {p}")
+
+
+@main.command("eval")
+@click.argument("model", type=click.Path())
+@click.option("--data", default="embedded", show_default=True, help=DATA_HELP)
+@click.option("--ctx", default=256, show_default=True, help="window length, BOS included")
+@click.option("--split", type=click.Choice(["auto", "all", "train", "valid", "test"]), default="auto",
+              show_default=True, help="auto: test split of the embedded corpus, whole text otherwise")
+@click.option("--max-windows", type=int, default=None, help="evaluate at most N windows")
+@click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
+def eval_cmd(model, data, ctx, split, max_windows, as_json):
+    """Perplexity of MODEL: consecutive windows of ctx-1 tokens, BOS first, every token scored."""
+    from quantgate.evaluate import evaluate_model
+    _emit(evaluate_model(model, data, ctx, split, max_windows), as_json)
+
+
+@main.command()
+@click.argument("model", type=click.Path())
+@click.option("--json", "as_json", is_flag=True)
+def info(model, as_json):
+    """Layout, gate mode, parameter count and dimensions of a model directory."""
+    from quantgate.info import model_info
+    _emit(model_info(model), as_json)
+
+
+@main.command()
+@click.option("--out", default="quantgate-demo", show_default=True, type=click.Path(), help="output directory")
+@click.option("--fast", is_flag=True, help="tiny twins, a few minutes (CI)")
+@click.option("--gate", type=click.Choice(["headwise", "elementwise"]), default="elementwise", show_default=True)
+@click.option("--threads", type=int, default=None)
+def demo(out, fast, gate, threads):
+    """Train baseline and gated twins on the embedded corpus and evaluate them on held-out text."""
+    from quantgate.demo import run_demo
+    run_demo(out, fast=fast, gate=gate, threads=threads)
+
+
+if __name__ == "__main__":
+    main()

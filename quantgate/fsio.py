@@ -1,0 +1,81 @@
+"""Atomic writes: nothing half-written is left behind, and inputs are never overwritten.
+
+Files and directories are written under a temporary name beside their destination and renamed
+into place only once complete (rename is atomic on one filesystem).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from .errors import QuantgateError
+
+
+def check_not_input(out: Path, *inputs: Path | str | None) -> None:
+    """Refuse an output path that is (or lies inside) one of the inputs."""
+    o = Path(out).resolve()
+    for i in inputs:
+        if i is None:
+            continue
+        ip = Path(i).resolve()
+        if o == ip or ip in o.parents:
+            raise QuantgateError(f"output {out} would overwrite the input {i}; choose another path")
+
+
+def _writable_parent(path: Path) -> Path:
+    parent = path.parent if str(path.parent) else Path(".")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise QuantgateError(f"cannot create {parent}: {e.strerror}") from None
+    if not os.access(parent, os.W_OK):
+        raise QuantgateError(f"output folder {parent} is not writable")
+    return parent
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path | str, mode: str = "wb") -> Iterator:
+    path = Path(path)
+    parent = _writable_parent(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_dir(path: Path | str) -> Iterator[Path]:
+    """Yield a temporary directory; on success it replaces `path` (an old `path` is removed last)."""
+    path = Path(path)
+    parent = _writable_parent(path)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent))
+    try:
+        yield tmp
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=parent))
+            os.replace(path, old / "x")
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_json(path: Path | str, obj) -> None:
+    with atomic_file(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")

@@ -1,0 +1,20 @@
+"""`quantgate info`: what a model directory holds, without running it."""
+from __future__ import annotations
+
+from .checkpoint import load_checkpoint
+
+
+def model_info(path: str) -> dict:
+    loaded = load_checkpoint(path)
+    cfg = loaded.model.cfg
+    return {
+        "path": str(path), "layout": loaded.layout, "gate": cfg.gate,
+        "params": loaded.model.num_params(),
+        "dims": {"vocab": cfg.vocab_size, "dim": cfg.dim, "layers": cfg.n_layers, "heads": cfg.n_heads,
+                 "kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "ffn": cfg.ffn_dim,
+                 "rotary_dim": cfg.rotary_dim, "gate_rows": cfg.gate_dim},
+        "rope_theta": cfg.rope_theta, "qk_norm": cfg.qk_norm, "tied_embeddings": cfg.tie_embeddings,
+        "tokenizer": None if loaded.tokenizer is None else
+        {"vocab": loaded.tokenizer.vocab_size, "bos_id": loaded.tokenizer.bos_id, "eos_id": loaded.tokenizer.eos_id},
+        "provenance": cfg.extra,
+    }

@@ -1,0 +1,39 @@
+"""One runner interface for every backend: token ids in, logits for every position out.
+
+Metrics and reports only see `Runner`; the ONNX Runtime and llama.cpp runners implement the same
+two members. Logits are float32 numpy arrays so backends compare without framework conversions.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from .model import Model
+
+
+class Runner(Protocol):
+    name: str
+    vocab_size: int
+
+    def logits(self, windows: np.ndarray) -> np.ndarray:
+        """windows: int64 [B, T] (each starting with BOS) -> float32 [B, T, V]."""
+        ...
+
+
+class TorchRunner:
+    """Runs our PyTorch model; `batch_size` windows per forward to bound memory."""
+
+    def __init__(self, model: Model, device: str = "cpu", batch_size: int = 8, name: str = "torch"):
+        self.model = model.to(device).eval()
+        self.device, self.batch_size, self.name = device, batch_size, name
+        self.vocab_size = model.cfg.vocab_size
+
+    @torch.inference_mode()
+    def logits(self, windows: np.ndarray) -> np.ndarray:
+        out = []
+        for i in range(0, len(windows), self.batch_size):
+            idx = torch.as_tensor(windows[i:i + self.batch_size], device=self.device)
+            out.append(self.model(idx).float().cpu().numpy())
+        return np.concatenate(out, axis=0)
