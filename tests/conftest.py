@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny random HF checkpoints, a byte tokenizer, and paths to ../shared data."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+SHARED_DATA = SHARED / "data"
+
+
+def shared_file(*parts: str) -> Path:
+    p = SHARED_DATA.joinpath(*parts)
+    if not p.is_file():
+        pytest.skip(f"{p} is absent (../shared/data ships with the project's workspace, not with user clones)")
+    return p
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.1) -> None:
+    """Give every parameter (norm weights too) random values so conversions are really exercised."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g) if "norm" in name and p.mean() > 0.5
+                        else 0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+TINY_HF = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+               max_position_embeddings=256, rope_theta=10000.0, bos_token_id=0, eos_token_id=1)
+
+
+def make_hf_qwen3(tie: bool = False, seed: int = 0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    cfg = Qwen3Config(**TINY_HF, tie_word_embeddings=tie, attn_implementation="eager")
+    torch.manual_seed(seed)
+    m = Qwen3ForCausalLM(cfg).eval()
+    randomize_(m, seed)
+    return m
+
+
+def make_hf_qwen3_next(partial_rotary: float = 1.0, tie: bool = False, seed: int = 0):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    L = TINY_HF["num_hidden_layers"]
+    cfg = Qwen3NextConfig(**TINY_HF, tie_word_embeddings=tie, partial_rotary_factor=partial_rotary,
+                          layer_types=["full_attention"] * L, mlp_only_layers=list(range(L)),
+                          attn_implementation="eager")
+    torch.manual_seed(seed)
+    m = Qwen3NextForCausalLM(cfg).eval()
+    randomize_(m, seed)
+    return m
+
+
+def rel_err(a, b) -> float:
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.fixture
+def byte_tok():
+    from quantgate.tokenizer import byte_tokenizer
+    return byte_tokenizer()
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict | None = None):
+    """Run the installed `quantgate` command in a subprocess; returns CompletedProcess."""
+    e = {**os.environ, "QUANTGATE_PROGRESS": "0", **(env or {})}
+    # cwd defaults away from the repository: `python -m` would otherwise import the uninstalled source tree
+    return subprocess.run([sys.executable, "-m", "quantgate.cli", *args], capture_output=True, text=True,
+                          cwd=cwd or tempfile.gettempdir(), timeout=timeout, env=e)
+
+
+def dir_snapshot(path: Path) -> dict:
+    """{relative path: (size, mtime_ns)} for every file below path: to show nothing was written or changed."""
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj))
