@@ -82,16 +82,17 @@ def text_documents(name: str, text: str) -> list[Document]:
 
 
 def _chunk(text: str) -> list[str]:
+    """Cut at paragraph (else line) breaks into pieces of >= CHUNK_CHARS; joined they give back `text`."""
     sep = "\n\n" if "\n\n" in text else "\n"
+    parts = text.split(sep)
     pieces, cur, size = [], [], 0
-    for part in text.split(sep):
+    for i, part in enumerate(parts):
         cur.append(part)
         size += len(part) + len(sep)
-        if size >= CHUNK_CHARS:
+        if size >= CHUNK_CHARS and i < len(parts) - 1:
             pieces.append(sep.join(cur) + sep)
             cur, size = [], 0
-    if cur:
-        pieces.append(sep.join(cur))
+    pieces.append(sep.join(cur))
     return pieces
 
 

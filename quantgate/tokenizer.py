@@ -24,6 +24,7 @@ class Tokenizer:
 
     def __init__(self, tok: HFTokenizer, bos_id: int, eos_id: int, pad_id: int | None = None):
         self.tok = tok
+        tok.encode_special_tokens = True  # text that spells "<|bos|>" stays text, never becomes a control id
         self.bos_id, self.eos_id = bos_id, eos_id
         self.pad_id = eos_id if pad_id is None else pad_id
 

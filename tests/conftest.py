@@ -61,7 +61,7 @@ def make_hf_qwen3_next(partial_rotary: float = 1.0, tie: bool = False, seed: int
 
 
 def rel_err(a, b) -> float:
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    a, b = (torch.as_tensor(x).detach().double() for x in (a, b))
     return float((a - b).abs().max() / b.abs().max())
 
 

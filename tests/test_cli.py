@@ -1,0 +1,61 @@
+"""The command line as a user meets it, and the packaging promises of the design card."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from importlib import metadata
+
+import pytest
+
+from conftest import make_hf_qwen3_next, run_cli
+
+
+def test_help_explains_every_command():
+    r = run_cli("--help")
+    assert r.returncode == 0
+    for cmd in ("demo", "train", "eval", "info"):
+        assert cmd in r.stdout
+    t = run_cli("train", "--help").stdout
+    assert "--twins" in t and "--resume" in t and "torchrun" in t
+
+
+def test_info_reports_layout_gate_and_dims(tmp_path):
+    make_hf_qwen3_next(0.25).save_pretrained(tmp_path / "n")
+    r = run_cli("info", str(tmp_path / "n"), "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["layout"] == "qwen3_next" and info["gate"] == "elementwise"
+    assert info["dims"]["rotary_dim"] == 4 and info["dims"]["gate_rows"] == 64
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "n")
+    assert info["params"] == sum(p.numel() for p in hf.parameters())
+
+
+def test_no_generic_top_level_names_installed():
+    code = ("import importlib.util as u, quantgate.cli, quantgate.export, quantgate.calib_data; "
+            "print([n for n in ('export', 'cli', 'calib_data') if u.find_spec(n) is not None])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tempfile.gettempdir())
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+    files = [str(f) for f in metadata.files("quantgate") if str(f).endswith(".py")]
+    if files:  # a regular (non-editable) install lists its modules: all under quantgate/
+        assert {f.split("/")[0] for f in files} == {"quantgate"}, files
+        assert "quantgate/cli.py" in files
+    eps = metadata.entry_points(group="console_scripts")
+    assert any(ep.name == "quantgate" and ep.value == "quantgate.cli:main" for ep in eps)
+
+
+@pytest.mark.slow
+def test_demo_fast_trains_and_evaluates_twins(tmp_path):
+    out = tmp_path / "demo"
+    r = run_cli("demo", "--fast", "--out", str(out), timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["eval"]) == {"baseline", "gated"}
+    for e in summary["eval"].values():
+        assert 1 < e["ppl"] < 512 and e["split"] == "test"  # better than uniform over the 512-token vocab
+    again = run_cli("demo", "--fast", "--out", str(out), timeout=900)  # finished stages are reused
+    assert again.returncode == 0 and "reusing" in again.stderr
+    assert json.loads((out / "summary.json").read_text())["eval"] == summary["eval"]
