@@ -2,7 +2,7 @@
 
 Both models get the identical config (the `small` preset, baseline, no gate, since stock Qwen3 has
 none), the same threads, the same batches and the same AdamW step. Reports medians of repeats and
-their ratio, measured in one run (these machines are noisy, so only same-run ratios mean much). Also
+their ratio (eager, and ours under torch.compile as `quantgate train --compile` runs it), measured in one run (these machines are noisy, so only same-run ratios mean much). Also
 times one lockstep step of the gated/baseline twin pair and projects what a full `small` twin run
 (the demo recipe) costs in minutes.
 
@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "train_throughput.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -65,10 +66,19 @@ def main() -> None:
                             for k, v in ours.state_dict().items()}, strict=False)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, cfg.vocab_size, (args.batch, args.ctx), generator=g) for _ in range(args.repeats + 2)]
-    opts = {"ours": make_optimizer(ours, tc), "transformers": make_optimizer(theirs, tc)}
-    times = {"ours": [], "transformers": []}
-    for i, b in enumerate(batches):  # interleaved so drifts in machine load hit both equally
-        for name, model in (("ours", ours), ("transformers", theirs)):
+    runs = {"ours": ours, "transformers": theirs}
+    compile_s = None
+    if not args.no_compile:
+        ours_c = build_model(cfg, seed=0).train()
+        runs["ours_compiled"] = torch.compile(ours_c)
+    opts = {k: make_optimizer(m, tc) for k, m in runs.items()}
+    if "ours_compiled" in runs:
+        t0 = time.perf_counter()
+        step_time(runs["ours_compiled"], opts["ours_compiled"], batches[0], hf=False)
+        compile_s = time.perf_counter() - t0
+    times = {k: [] for k in runs}
+    for i, b in enumerate(batches):  # interleaved so drifts in machine load hit every variant equally
+        for name, model in runs.items():
             t = step_time(model, opts[name], b, hf=name == "transformers")
             if i >= 2:  # two warm-up steps
                 times[name].append(t)
@@ -91,6 +101,9 @@ def main() -> None:
         "median_step_s": {k: round(v, 4) for k, v in med.items()},
         "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
         "ratio_ours_over_transformers": round(tps["ours"] / tps["transformers"], 3),
+        "ratio_ours_compiled_over_transformers": (round(tps["ours_compiled"] / tps["transformers"], 3)
+                                                  if "ours_compiled" in tps else None),
+        "compile_seconds": None if compile_s is None else round(compile_s, 1),
         "goal_ratio": 1.2,
         "twin_pair_step_s": round(pair_med, 4),
         "small_twin_run": {"recipe": recipe,

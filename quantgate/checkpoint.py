@@ -43,7 +43,8 @@ def config_from_hf(hf: dict, path: Path) -> tuple[ModelConfig, Layout]:
     try:
         L = int(hf["num_hidden_layers"])
         H = int(hf["num_attention_heads"])
-        hd = int(hf.get("head_dim") or hf["hidden_size"] // H)
+        # absent fields take transformers' own defaults for that model_type
+        hd = int(hf.get("head_dim") or (256 if layout_name == "qwen3_next" else 128))
         if hf.get("rope_scaling"):
             raise QuantgateError(f"{path}/config.json: rope_scaling {hf['rope_scaling']} is not supported")
         if hf.get("attention_bias") or hf.get("qkv_bias"):
@@ -63,7 +64,7 @@ def config_from_hf(hf: dict, path: Path) -> tuple[ModelConfig, Layout]:
             vocab_size=int(hf["vocab_size"]), dim=int(hf["hidden_size"]), n_layers=L, n_heads=H,
             n_kv_heads=int(hf.get("num_key_value_heads") or H), head_dim=hd,
             ffn_dim=int(hf["intermediate_size"]), gate=gate, rope_theta=float(hf.get("rope_theta", 10000.0)),
-            partial_rotary=float(hf.get("partial_rotary_factor", 1.0)) if layout_name == "qwen3_next" else 1.0,
+            partial_rotary=float(hf.get("partial_rotary_factor", 0.25)) if layout_name == "qwen3_next" else 1.0,
             qk_norm=bool(hf.get("use_qk_norm", True)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_seq_len=int(hf.get("max_position_embeddings", 2048)),
