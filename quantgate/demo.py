@@ -42,12 +42,14 @@ def run_demo(out: str | Path, fast: bool = False, gate: str = "elementwise", thr
                       + (" (resuming)" if resume else ""))
         models = train(tc, out, resume=resume)
     stages["train_s"] = round(time.time() - t, 1)
+    console.print(f"train: {stages['train_s']:.0f} s")
 
     t = time.time()
     n_windows = eval_windows or (16 if fast else 64)
     evals = {k: evaluate_model(str(p), "embedded", ctx=tc.ctx, split="test", max_windows=n_windows)
              for k, p in models.items()}
     stages["eval_s"] = round(time.time() - t, 1)
+    console.print(f"eval: {stages['eval_s']:.0f} s")
 
     table = Table(title="held-out perplexity (embedded corpus, test split)")
     for col in ("model", "ppl", "tokens"):
@@ -55,6 +57,7 @@ def run_demo(out: str | Path, fast: bool = False, gate: str = "elementwise", thr
     for k, e in evals.items():
         table.add_row(k, f"{e['ppl']:.3f}", str(e["n_tokens"]))
     console.print(table)
+    console.print(f"summary: {out / 'summary.json'}")
     summary = {"recipe": recipe, "gate": gate, "eval": evals, "stage_seconds": stages}
     write_json(out / "summary.json", summary)
     return summary

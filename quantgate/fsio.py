@@ -27,6 +27,17 @@ def check_not_input(out: Path, *inputs: Path | str | None) -> None:
             raise QuantgateError(f"output {out} would overwrite the input {i}; choose another path")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _default_mode(is_dir: bool) -> int:
+    """mkstemp/mkdtemp create private (0600/0700) entries; finished outputs get the usual umask mode."""
+    return (0o777 if is_dir else 0o666) & ~_umask()
+
+
 def _writable_parent(path: Path) -> Path:
     parent = path.parent if str(path.parent) else Path(".")
     try:
@@ -48,6 +59,7 @@ def atomic_file(path: Path | str, mode: str = "wb") -> Iterator:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, _default_mode(False))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -63,6 +75,7 @@ def atomic_dir(path: Path | str) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent))
     try:
         yield tmp
+        os.chmod(tmp, _default_mode(True))
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=parent))
             os.replace(path, old / "x")

@@ -151,11 +151,23 @@ def save_state(path: Path, step: int, models: dict, optims: dict, log: list, tc:
         torch.save(state, f)
 
 
-def load_state(path: Path, models: dict, optims: dict) -> tuple[int, list]:
+# Settings that shape the trajectory: a resumed run must keep them (steps may grow, threads may change).
+TRAJECTORY_FIELDS = ("preset", "gate", "twins", "data", "batch_size", "ctx", "lr", "min_lr_frac", "warmup",
+                     "weight_decay", "grad_clip", "betas", "seed", "vocab_size", "byte_tokenizer", "max_chars",
+                     "model_overrides")
+
+
+def load_state(path: Path, models: dict, optims: dict, tc: TrainConfig) -> tuple[int, list]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a torn or foreign file
         raise QuantgateError(f"{path}: cannot resume from this training state ({type(e).__name__})") from None
+    saved = json.loads(state["train_config_json"])
+    now = json.loads(json.dumps(asdict(tc)))  # tuples become lists, as in the saved copy
+    for name in TRAJECTORY_FIELDS:
+        if saved.get(name) != now.get(name):
+            raise QuantgateError(f"--resume with --{name.replace('_', '-')} {now.get(name)} but the run was "
+                                 f"started with {saved.get(name)}; use the same settings")
     if set(state["models"]) != set(models):
         raise QuantgateError(f"{path}: holds models {sorted(state['models'])}, this run trains {sorted(models)}")
     for k in models:
@@ -198,7 +210,7 @@ def train(tc: TrainConfig, out: str | Path, resume: bool = False) -> dict[str, P
     optims = {k: make_optimizer(m, tc) for k, m in models.items()}
     step, log = 0, []
     if resume:
-        step, log = load_state(state_file, models, optims)
+        step, log = load_state(state_file, models, optims, tc)
     for m in models.values():
         m.to(device).train()
     for o in optims.values():  # optimizer state follows its parameters' device
@@ -257,10 +269,11 @@ def train(tc: TrainConfig, out: str | Path, resume: bool = False) -> dict[str, P
                 log.append({"step": step, "lr": lr, "loss": running, "tokens_per_s": round(tps, 1),
                             "elapsed_s": round(time.time() - t0, 2)})
                 progress.update(task, tps=f"{tps:,.0f}", **{k: f"{v:.3f}" for k, v in running.items()})
+                if di.main:
+                    write_json(state_dir / "train_log.json", log)
             progress.update(task, completed=step)
             if di.main and (step % tc.ckpt_every == 0 or step == tc.steps):
                 save_state(state_file, step, models, optims, log, tc)
-                write_json(state_dir / "train_log.json", log)
     outputs = {}
     if di.main:
         for k, m in models.items():

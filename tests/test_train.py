@@ -136,3 +136,13 @@ def test_cuda_bf16_training_learns(tmp_path):
     log = json.loads((tmp_path / "g" / "state" / "train_log.json").read_text())
     assert log[-1]["loss"]["gated"] < log[0]["loss"]["gated"] - 0.5
     assert load_checkpoint(out["gated"]).model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_resume_refuses_changed_settings(tmp_path):
+    from quantgate.errors import QuantgateError
+    train(tiny_config(steps=4), tmp_path / "r")
+    with pytest.raises(QuantgateError, match="--lr"):
+        train(tiny_config(steps=6, lr=1e-2), tmp_path / "r", resume=True)
+    longer = train(tiny_config(steps=6, threads=2), tmp_path / "r", resume=True)  # more steps, other threads: fine
+    log = json.loads((tmp_path / "r" / "state" / "train_log.json").read_text())
+    assert log[-1]["step"] == 6 and (longer["gated"] / "config.json").is_file()
