@@ -146,3 +146,11 @@ def test_resume_refuses_changed_settings(tmp_path):
     longer = train(tiny_config(steps=6, threads=2), tmp_path / "r", resume=True)  # more steps, other threads: fine
     log = json.loads((tmp_path / "r" / "state" / "train_log.json").read_text())
     assert log[-1]["step"] == 6 and (longer["gated"] / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_compiled_training_matches_eager(tmp_path):
+    eager = train(tiny_config(twins=True, steps=10), tmp_path / "e")
+    compiled = train(tiny_config(twins=True, steps=10, compile=True), tmp_path / "c")
+    for role in eager:
+        assert_same_weights(eager[role], compiled[role], exact=False, atol=1e-5)
