@@ -106,6 +106,48 @@ def info(model, as_json):
 
 
 @main.command()
+@click.argument("model", type=click.Path())
+@click.option("--data", default="embedded", show_default=True, help=DATA_HELP)
+@click.option("--windows", "n_windows", default=32, show_default=True, help="calibration windows to run")
+@click.option("--ctx", default=256, show_default=True, help="window length, BOS included")
+@click.option("--split", type=click.Choice(["auto", "all", "train", "valid", "test"]), default="auto",
+              show_default=True)
+@click.option("--seed", default=0, show_default=True, help="window sampler seed")
+@click.option("--compare", type=click.Path(), default=None, help="a second model (the twin) on the same windows")
+@click.option("--json", "json_out", type=click.Path(), default=None, help="write the full report here")
+@click.option("--plots", type=click.Path(), default=None, help="write PNG plots into this folder")
+def analyze(model, data, n_windows, ctx, split, seed, compare, json_out, plots):
+    """Massive activations, attention sinks, linear-input outliers and gate sparsity, per layer."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from quantgate.analyze import run_analyze
+    from quantgate.progress import console
+    result = run_analyze(model, data, ctx, n_windows, split, seed, compare, json_out, plots)
+    out = Console()
+    for name, rep in result["reports"].items():
+        t = Table(title=f"{name} ({rep['gate']}, {rep['windows']} windows x {rep['ctx']}; "
+                        f"uniform BOS share {rep['uniform_bos_share']:.3f})")
+        for col in ("layer", "max|h|", "pos", "chan", "max/med", "BOS mean", "BOS max", "gate", "g<0.1"):
+            t.add_column(col, justify="right")
+        for l in rep["layers"]:
+            gate = ("-", "-") if "gate_mean" not in l else (
+                f"{sum(l['gate_mean']) / len(l['gate_mean']):.3f}",
+                f"{sum(l['gate_frac_below_0.1']) / len(l['gate_frac_below_0.1']):.1%}")
+            t.add_row(str(l["layer"]), f"{l['max_abs']:.1f}", str(l["max_position"]), str(l["max_channel"]),
+                      f"{l['max_over_median']:.1f}", f"{l['bos_attention_mean']:.3f}", f"{max(l['bos_attention']):.3f}",
+                      *gate)
+        out.print(t)
+        worst = max(rep["linear_inputs"].items(), key=lambda kv: kv[1]["kurtosis"])
+        out.print(f"highest linear-input kurtosis: {worst[0]} = {worst[1]['kurtosis']:.1f} "
+                  f"(max |x| {worst[1]['max_abs']:.1f})")
+    for p in result.get("plots", []):
+        console.print(f"plot: {p}")
+    if json_out:
+        console.print(f"report: {json_out}")
+
+
+@main.command()
 @click.option("--out", default="quantgate-demo", show_default=True, type=click.Path(), help="output directory")
 @click.option("--fast", is_flag=True, help="tiny twins, a few minutes (CI)")
 @click.option("--gate", type=click.Choice(["headwise", "elementwise"]), default="elementwise", show_default=True)

@@ -229,10 +229,12 @@ class Model(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) * std)
 
     def forward(self, idx: torch.Tensor, past=None, start_pos: int = 0, probe: bool = False,
-                return_hidden: bool = False):
+                return_hidden: bool = False, on_layer=None):
         """idx: [B, T] token ids. Returns logits [B, T, V] (fp32) or a dict when past/probe/hidden is used.
 
         past: list of per-layer (k, v) from an earlier call (generation); start_pos: its length.
+        on_layer(i, h, probs): called after each block with its output (and attention probabilities when
+        probe=True) instead of collecting them, so analysis holds one layer's tensors at a time.
         """
         B, T = idx.shape
         positions = torch.arange(start_pos, start_pos + T, device=idx.device)
@@ -242,6 +244,9 @@ class Model(nn.Module):
         for i, layer in enumerate(self.layers):
             h, present, p = layer(h, cos, sin, None if past is None else past[i], probe)
             presents.append(present)
+            if on_layer is not None:
+                on_layer(i, h, p)
+                continue
             if probe:
                 probs.append(p)
             if return_hidden:

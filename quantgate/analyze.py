@@ -1,0 +1,106 @@
+"""`quantgate analyze`: outlier report of one model, or of twins side by side, with plots.
+
+Windows are drawn with the seeded calibration sampler from the evaluation split of the text, so two
+models analysed with the same arguments see exactly the same tokens.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .calib_data import load_corpus, sample_windows, tokenize_corpus
+from .checkpoint import load_checkpoint
+from .errors import QuantgateError
+from .evaluate import default_split
+from .fsio import atomic_file, write_json
+from .outliers import analyze_model
+
+
+def analyze(model_path: str, data: str = "embedded", ctx: int = 256, n_windows: int = 32, split: str = "auto",
+            seed: int = 0, tokenizer_from: str | None = None) -> dict:
+    loaded = load_checkpoint(model_path)
+    tok = loaded.tokenizer
+    if tok is None:
+        raise QuantgateError(f"{model_path}: no tokenizer.json, cannot tokenize the analysis text")
+    split = default_split(data) if split == "auto" else split
+    corpus = load_corpus(data).split(split)
+    if not corpus.documents:
+        raise QuantgateError(f"{data}: the {split} split is empty")
+    windows = sample_windows(tokenize_corpus(corpus, tok), n_windows, ctx, seed)
+    rep = analyze_model(loaded.model, windows)
+    rep.update(model=str(model_path), gate=loaded.model.cfg.gate, layout=loaded.layout, data=str(data),
+               split=split, seed=seed, corpus_fingerprint=corpus.fingerprint)
+    return rep
+
+
+def _save(fig, path: Path) -> Path:
+    with atomic_file(path) as f:
+        fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
+    return path
+
+
+def plot_reports(reports: dict[str, dict], out_dir: str | Path) -> list[Path]:
+    """max |h| per layer (log axis), BOS-attention heatmaps (layer x head), gate histograms."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    paths = []
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name, rep in reports.items():
+        layers = [l["layer"] for l in rep["layers"]]
+        ax.plot(layers, [l["max_abs"] for l in rep["layers"]], marker="o", label=f"{name}: max |h|")
+        ax.plot(layers, [l["median_abs"] for l in rep["layers"]], ls="--", marker=".", label=f"{name}: median |h|")
+    ax.set_yscale("log")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("|h| of the residual stream after the block")
+    ax.set_title("massive activations")
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, out_dir / "max_activation.png"))
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(reports), figsize=(4.5 * len(reports), 3.8), squeeze=False)
+    vmax = max(max(max(l["bos_attention"]) for l in r["layers"]) for r in reports.values())
+    for ax, (name, rep) in zip(axes[0], reports.items()):
+        grid = np.array([l["bos_attention"] for l in rep["layers"]])
+        im = ax.imshow(grid, aspect="auto", cmap="magma", vmin=0, vmax=vmax)
+        ax.set_title(f"{name}: attention on BOS\n(uniform would be {rep['uniform_bos_share']:.3f})", fontsize=9)
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        fig.colorbar(im, ax=ax)
+    paths.append(_save(fig, out_dir / "bos_attention.png"))
+    plt.close(fig)
+
+    gated = {n: r for n, r in reports.items() if "gate_histogram" in r["layers"][0]}
+    if gated:
+        n_layers = max(len(r["layers"]) for r in gated.values())
+        fig, axes = plt.subplots(len(gated), n_layers, figsize=(2.2 * n_layers, 2.2 * len(gated)), squeeze=False)
+        for row, (name, rep) in zip(axes, gated.items()):
+            for ax, l in zip(row, rep["layers"]):
+                bins, counts = np.array(l["gate_histogram"]["bins"]), np.array(l["gate_histogram"]["counts"])
+                ax.bar(bins[:-1], counts / counts.sum(), width=np.diff(bins), align="edge")
+                ax.set_title(f"{name} L{l['layer']}: <0.1 {np.mean(l['gate_frac_below_0.1']):.0%}", fontsize=8)
+                ax.set_yticks([])
+        fig.suptitle("gate values sigmoid(X W_g)")
+        fig.tight_layout()
+        paths.append(_save(fig, out_dir / "gate_histograms.png"))
+        plt.close(fig)
+    return paths
+
+
+def run_analyze(model: str, data: str, ctx: int, n_windows: int, split: str, seed: int,
+                compare: str | None = None, json_out: str | None = None, plots: str | None = None) -> dict:
+    reports = {Path(model).name or model: analyze(model, data, ctx, n_windows, split, seed)}
+    if compare:
+        name = Path(compare).name or compare
+        if name in reports:
+            name = f"{name} (compare)"
+        reports[name] = analyze(compare, data, ctx, n_windows, split, seed)
+    result = {"reports": reports}
+    if json_out:
+        write_json(json_out, result)
+    if plots:
+        result["plots"] = [str(p) for p in plot_reports(reports, plots)]
+    return result

@@ -1,0 +1,188 @@
+"""Outlier metrics, layer by layer (DESIGN section 5).
+
+- massive activations: per layer, max |h| of the residual stream after the block, where it occurs
+  (window, token position, channel), the median |h| and their ratio, and the top channels;
+- attention sinks: per layer and head, the attention mass on position 0 (BOS), averaged over query
+  positions >= 1;
+- linear-input outliers: max |x| and kurtosis of the input of every linear layer;
+- gate: per layer and head, the mean of sigmoid(X W_g) and the fraction of values below 0.1.
+
+Everything is accumulated batch by batch with forward hooks and the model's probe path, so the only
+per-layer state kept is a bounded sample of |h| for the median.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .model import Model
+from .progress import track
+
+MEDIAN_SAMPLE = 1 << 20  # |h| values kept per layer for the median (exact below this count)
+
+
+@dataclass
+class Moments:
+    """Running max |x| and raw moments of a tensor stream, for Pearson kurtosis E[(x-mu)^4] / var^2."""
+    n: int = 0
+    s1: float = 0.0
+    s2: float = 0.0
+    s3: float = 0.0
+    s4: float = 0.0
+    max_abs: float = 0.0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().double().reshape(-1)
+        self.n += x.numel()
+        self.s1 += float(x.sum())
+        x2 = x * x
+        self.s2 += float(x2.sum())
+        self.s3 += float((x2 * x).sum())
+        self.s4 += float((x2 * x2).sum())
+        self.max_abs = max(self.max_abs, float(x.abs().max()))
+
+    def kurtosis(self) -> float:
+        m = self.s1 / self.n
+        e2, e3, e4 = self.s2 / self.n, self.s3 / self.n, self.s4 / self.n
+        var = e2 - m * m
+        c4 = e4 - 4 * m * e3 + 6 * m * m * e2 - 3 * m ** 4
+        return float(c4 / (var * var)) if var > 0 else float("nan")
+
+
+@dataclass
+class LayerAccumulator:
+    max_abs: float = -1.0
+    where: tuple = (0, 0, 0)  # window, position, channel
+    channel_max: torch.Tensor | None = None
+    samples: list = field(default_factory=list)
+    n_sampled: int = 0
+    bos_sum: torch.Tensor | None = None  # per head
+    bos_count: int = 0
+    gate_sum: torch.Tensor | None = None
+    gate_low: torch.Tensor | None = None
+    gate_count: int = 0
+    gate_hist: np.ndarray | None = None
+
+
+GATE_BINS = np.linspace(0.0, 1.0, 51)
+
+
+def _sample(values: torch.Tensor, budget: int, generator: torch.Generator) -> torch.Tensor:
+    flat = values.reshape(-1)
+    if flat.numel() <= budget:
+        return flat.clone()
+    idx = torch.randint(0, flat.numel(), (budget,), generator=generator)
+    return flat[idx]
+
+
+class OutlierCollector:
+    """Attach to a model, feed it windows, read a report dict."""
+
+    def __init__(self, model: Model, top_k: int = 8, seed: int = 0):
+        self.model, self.top_k = model, top_k
+        self.layers = [LayerAccumulator() for _ in model.layers]
+        self.linear: dict[str, Moments] = {}
+        self.gen = torch.Generator().manual_seed(seed)
+        self._windows_seen = 0
+        self._hooks = []
+        for name, mod in model.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                self._hooks.append(mod.register_forward_pre_hook(self._linear_hook(name)))
+        for i, layer in enumerate(model.layers):
+            g = layer.self_attn.g_proj
+            if g is not None:
+                self._hooks.append(g.register_forward_hook(self._gate_hook(i)))
+
+    def _linear_hook(self, name: str):
+        def hook(_mod, args):
+            self.linear.setdefault(name, Moments()).add(args[0])
+        return hook
+
+    def _gate_hook(self, i: int):
+        H = self.model.cfg.n_heads
+
+        def hook(_mod, _args, out):
+            g = torch.sigmoid(out.detach().float())
+            B, T, _ = g.shape
+            g = g.view(B, T, H, -1)
+            acc = self.layers[i]
+            per_head = g.mean(dim=(0, 1, 3)) * (B * T)
+            low = (g < 0.1).float().mean(dim=(0, 1, 3)) * (B * T)
+            acc.gate_sum = per_head if acc.gate_sum is None else acc.gate_sum + per_head
+            acc.gate_low = low if acc.gate_low is None else acc.gate_low + low
+            acc.gate_count += B * T
+            hist = np.histogram(g.numpy().reshape(-1), bins=GATE_BINS)[0]
+            acc.gate_hist = hist if acc.gate_hist is None else acc.gate_hist + hist
+        return hook
+
+    @torch.inference_mode()
+    def feed(self, windows: torch.Tensor) -> None:
+        self.model(windows, probe=True, on_layer=self._layer)
+        self._windows_seen += windows.shape[0]
+
+    def _layer(self, i: int, h: torch.Tensor, probs: torch.Tensor) -> None:
+        B = h.shape[0]
+        budget = max(1, MEDIAN_SAMPLE // 64)
+        acc = self.layers[i]
+        a = h.detach().float().abs()
+        m = float(a.max())
+        if m > acc.max_abs:
+            flat = int(a.argmax())
+            w, rest = divmod(flat, a.shape[1] * a.shape[2])
+            acc.max_abs, acc.where = m, (self._windows_seen + w, *divmod(rest, a.shape[2]))
+        cmax = a.amax(dim=(0, 1))
+        acc.channel_max = cmax if acc.channel_max is None else torch.maximum(acc.channel_max, cmax)
+        if acc.n_sampled < MEDIAN_SAMPLE:
+            s = _sample(a, min(budget * B, MEDIAN_SAMPLE - acc.n_sampled), self.gen)
+            acc.samples.append(s)
+            acc.n_sampled += s.numel()
+        bos = probs[:, :, 1:, 0].float()  # [B, H, T-1]: attention of queries >= 1 on BOS
+        acc.bos_sum = bos.sum(dim=(0, 2)) if acc.bos_sum is None else acc.bos_sum + bos.sum(dim=(0, 2))
+        acc.bos_count += bos.shape[0] * bos.shape[2]
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def report(self) -> dict:
+        layers = []
+        for i, acc in enumerate(self.layers):
+            median = float(torch.cat(acc.samples).median())
+            top = torch.topk(acc.channel_max, min(self.top_k, acc.channel_max.numel()))
+            entry = {
+                "layer": i, "max_abs": acc.max_abs, "max_window": acc.where[0], "max_position": acc.where[1],
+                "max_channel": acc.where[2], "median_abs": median,
+                "max_over_median": acc.max_abs / median if median > 0 else float("inf"),
+                "top_channels": [{"channel": int(c), "max_abs": float(v)} for v, c in zip(top.values, top.indices)],
+                "bos_attention": (acc.bos_sum / acc.bos_count).tolist(),
+            }
+            entry["bos_attention_mean"] = float(np.mean(entry["bos_attention"]))
+            if acc.gate_count:
+                entry["gate_mean"] = (acc.gate_sum / acc.gate_count).tolist()
+                entry["gate_frac_below_0.1"] = (acc.gate_low / acc.gate_count).tolist()
+                entry["gate_histogram"] = {"bins": GATE_BINS.tolist(), "counts": acc.gate_hist.tolist()}
+            layers.append(entry)
+        linear = {name: {"max_abs": m.max_abs, "kurtosis": m.kurtosis(), "n": m.n}
+                  for name, m in sorted(self.linear.items())}
+        return {"windows": self._windows_seen, "layers": layers, "linear_inputs": linear,
+                "uniform_bos_share": None}
+
+
+def analyze_model(model: Model, windows: np.ndarray, batch: int = 4, top_k: int = 8) -> dict:
+    """Outlier report of `model` over `windows` ([N, T] int64, BOS first)."""
+    model.eval()
+    col = OutlierCollector(model, top_k=top_k)
+    try:
+        for i in track(range(0, len(windows), batch), "analyze", total=-(-len(windows) // batch)):
+            col.feed(torch.as_tensor(windows[i:i + batch]))
+    finally:
+        col.close()
+    rep = col.report()
+    T = windows.shape[1]
+    # a head that spreads attention evenly gives BOS mean(1/(q+1)) over queries q = 1..T-1
+    rep["uniform_bos_share"] = float(np.mean(1.0 / np.arange(2, T + 1)))
+    rep["ctx"] = T
+    return rep
