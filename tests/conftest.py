@@ -87,3 +87,24 @@ def dir_snapshot(path: Path) -> dict:
 
 def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj))
+
+
+BOS_CH, CONST_CH = 63, 62  # embedding channels used by planted models: BOS marker, constant in every token
+
+
+def plant_bos_spike(model, spike_layer: int, spike_channel: int, marker: int = BOS_CH, strength: float = 50.0):
+    """Hand-set weights: channel `marker` of the embedding is 1 on BOS and 0 elsewhere, nothing writes to it,
+    and one MLP unit of `spike_layer` reads it and writes a massive value into `spike_channel`, on BOS only."""
+    bos = model.cfg.bos_id
+    with torch.no_grad():
+        E = model.embed_tokens.weight
+        E[:, marker] = 0.0
+        E[bos, marker] = 1.0
+        for layer in model.layers:
+            layer.self_attn.o_proj.weight[marker] = 0.0
+            layer.mlp.down_proj.weight[marker] = 0.0
+        mlp = model.layers[spike_layer].mlp
+        mlp.gate_proj.weight[0].zero_(); mlp.gate_proj.weight[0, marker] = strength
+        mlp.up_proj.weight[0].zero_(); mlp.up_proj.weight[0, marker] = strength
+        mlp.down_proj.weight[:, 0] = 0.0; mlp.down_proj.weight[spike_channel, 0] = 1.0
+    return model

@@ -6,10 +6,8 @@ import pytest
 import torch
 
 from quantgate.model import build_model, preset
+from conftest import BOS_CH, CONST_CH, plant_bos_spike
 from quantgate.outliers import Moments, analyze_model
-
-BOS_CH, CONST_CH = 63, 62  # embedding channels: BOS indicator, a constant present in every token
-
 
 def planted_model(gate="elementwise", spike_layer=1, spike_channel=7, sink_layer=0, sink_head=0, closed_head=2):
     cfg = preset("tiny", vocab_size=64, n_layers=3, gate=gate)
@@ -17,18 +15,13 @@ def planted_model(gate="elementwise", spike_layer=1, spike_channel=7, sink_layer
     hd, H = cfg.head_dim, cfg.n_heads
     with torch.no_grad():
         E = m.embed_tokens.weight
-        E[:, BOS_CH] = 0.0
         E[:, CONST_CH] = 1.0
         E[cfg.bos_id].zero_()
-        E[cfg.bos_id, BOS_CH] = 1.0
-        for layer in m.layers:  # nothing writes into the two marker channels, so they stay as embedded
-            layer.self_attn.o_proj.weight[[BOS_CH, CONST_CH]] = 0.0
-            layer.mlp.down_proj.weight[[BOS_CH, CONST_CH]] = 0.0
-        # massive activation: one MLP unit fires only on BOS and writes into `spike_channel`
-        mlp = m.layers[spike_layer].mlp
-        mlp.gate_proj.weight[0].zero_(); mlp.gate_proj.weight[0, BOS_CH] = 50.0
-        mlp.up_proj.weight[0].zero_(); mlp.up_proj.weight[0, BOS_CH] = 50.0
-        mlp.down_proj.weight[:, 0] = 0.0; mlp.down_proj.weight[spike_channel, 0] = 1.0
+        for layer in m.layers:  # nothing writes into the constant channel either
+            layer.self_attn.o_proj.weight[CONST_CH] = 0.0
+            layer.mlp.down_proj.weight[CONST_CH] = 0.0
+    plant_bos_spike(m, spike_layer, spike_channel)  # BOS embedding becomes the one-hot marker
+    with torch.no_grad():
         # attention sink: in one layer only `sink_head` has a non-zero query, aimed at BOS's key;
         # dim hd/2-1 pairs with the slowest RoPE frequency, so the match barely rotates with position
         att = m.layers[sink_layer].self_attn

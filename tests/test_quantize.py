@@ -1,0 +1,138 @@
+"""PyTorch quantization schemes on planted and random models."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from quantgate.errors import QuantgateError
+from quantgate.evaluate import token_nll
+from quantgate.metrics import logit_errors
+from quantgate.model import build_model, preset
+from quantgate.qlinear import ActRange, QuantLinear, fake_quant_per_token, fake_quant_static, quantize_weight
+from quantgate.quantize import block_linears, quantize_
+from quantgate.schemes import SCHEMES, get_scheme
+from test_outliers import planted_model, windows
+
+
+def logits_of(model, w):
+    with torch.inference_mode():
+        return model(torch.as_tensor(w)).numpy()
+
+
+def ppl(logits, w):
+    return float(np.exp(token_nll(logits, w).mean()))
+
+
+def test_weight_rtn_grid_and_groups():
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    q4 = quantize_weight(w, 4, 32)
+    for row in range(8):
+        for g in range(2):
+            block = q4[row, g * 32:(g + 1) * 32]
+            scale = w[row, g * 32:(g + 1) * 32].abs().max() / 7
+            assert torch.allclose(block / scale, (block / scale).round(), atol=1e-4)  # on the int grid
+            assert len(torch.unique((block / scale).round())) <= 16
+    assert (quantize_weight(w, 8) - w).abs().max() < (q4 - w).abs().max()
+    with pytest.raises(QuantgateError, match="does not divide"):
+        quantize_weight(w, 4, 48)
+
+
+def test_activation_quantizers():
+    x = torch.linspace(-3, 5, 1000)
+    sym = fake_quant_static(x, ActRange(-3, 5), 8, symmetric=True)
+    asym = fake_quant_static(x, ActRange(-3, 5), 8, symmetric=False)
+    assert (asym - x).abs().max() < (sym - x).abs().max()  # asymmetric uses the whole grid
+    assert (asym - x).abs().max() <= 8 / 255 / 2 + 1e-6
+    assert fake_quant_static(torch.zeros(3), ActRange(1, 2), 8, False).abs().max() == 0  # 0 is on the grid
+    tok = torch.tensor([[1e-3, 2e-3], [100.0, -50.0]])
+    assert torch.allclose(fake_quant_per_token(tok, 8)[0], tok[0], rtol=1e-2)  # small rows keep their own scale
+
+
+@pytest.fixture(scope="module")
+def trained_spiked(tmp_path_factory):
+    """A tiny baseline trained for a few hundred steps, then given a planted BOS spike in layer 1."""
+    from conftest import plant_bos_spike
+    from quantgate.calib_data import load_corpus, sample_windows, tokenize_corpus
+    from quantgate.checkpoint import load_checkpoint
+    from quantgate.train import TrainConfig, train
+    out = train(TrainConfig(preset="tiny", gate="none", byte_tokenizer=True, max_chars=400_000, steps=200,
+                            batch_size=8, ctx=64, lr=3e-3, warmup=20, threads=2, ckpt_every=1000),
+                tmp_path_factory.mktemp("run"))
+    loaded = load_checkpoint(out["baseline"])
+    model = plant_bos_spike(loaded.model, spike_layer=1, spike_channel=7)
+    held_out = tokenize_corpus(load_corpus("embedded", max_chars=3_000_000).split("valid"), loaded.tokenizer)
+    calib = sample_windows(held_out, 8, 64, seed=1)
+    test = sample_windows(held_out, 16, 64, seed=2)
+    return model, calib, test
+
+
+def test_per_tensor_w8a8_loses_far_more_than_per_token_on_a_bos_spike(trained_spiked):
+    m, calib, w = trained_spiked
+    ref = logits_of(m, w)
+    static = quantize_(copy.deepcopy(m), get_scheme("w8a8-static"), calib_windows=calib)
+    dynamic = quantize_(copy.deepcopy(m), get_scheme("w8a8-dynamic"))
+    sink = quantize_(copy.deepcopy(m), get_scheme("w8a8-static-sink"), calib_windows=calib)
+    e_static, e_dyn, e_sink = (logit_errors(ref, logits_of(q, w)) for q in (static, dynamic, sink))
+    assert e_static["kld_mean"] > 10 * e_dyn["kld_mean"]
+    p_ref = ppl(ref, w)
+    d_static = ppl(logits_of(static, w), w) / p_ref - 1
+    d_dyn = ppl(logits_of(dynamic, w), w) / p_ref - 1
+    assert d_static > 0.02 and d_static > 10 * abs(d_dyn)  # per-tensor W8A8 loses perplexity; per-token barely
+    # keeping BOS in float and out of calibration removes most of the static loss
+    assert e_sink["kld_mean"] < e_static["kld_mean"] / 10
+    assert e_dyn["top1_agreement"] > e_static["top1_agreement"]
+
+
+def test_calibrated_range_comes_from_the_spike():
+    m = planted_model(gate="none", spike_layer=1, spike_channel=7)
+    w = windows(4, 32)
+    q = quantize_(copy.deepcopy(m), get_scheme("w8a8-static"), calib_windows=w)
+    down = q.layers[1].mlp.down_proj
+    assert isinstance(down, QuantLinear) and down.act_range.hi > 1e4
+    qs = quantize_(copy.deepcopy(m), get_scheme("w8a8-static-sink"), calib_windows=w)
+    assert qs.layers[1].mlp.down_proj.act_range.hi < 1.0  # without BOS the unit is silent
+    qp = quantize_(copy.deepcopy(m), get_scheme("w8a8-static-pct"), calib_windows=w)
+    assert qp.layers[1].mlp.down_proj.act_range.hi < down.act_range.hi
+
+
+@pytest.mark.parametrize("scope", ["gate", "q_and_gate"])
+def test_gate_aware_scheme_keeps_gate_rows_at_8_bits(scope):
+    m = build_model(preset("tiny", gate="elementwise"), seed=0)
+    name = "w4a16-g32-gate8" if scope == "gate" else "w4a16-g32-qgate8"
+    orig = {n: l.weight.detach().clone() for n, l in block_linears(m).items()}
+    quantize_(m, get_scheme(name))
+    for n, lin in block_linears(m).items():
+        w = lin.weight.detach()
+        expect8 = n.endswith("g_proj") or (scope == "q_and_gate" and n.endswith("q_proj"))
+        assert lin.weight_bits == (8 if expect8 else 4)
+        assert torch.equal(w, quantize_weight(orig[n], 8 if expect8 else 4, 32)), n
+        groups = (w.reshape(w.shape[0], -1, 32) / (orig[n].reshape(w.shape[0], -1, 32).abs().amax(-1, keepdim=True)
+                                                   / (127 if expect8 else 7)))
+        levels = len(torch.unique(groups.round()))
+        assert levels > 16 if expect8 else levels <= 16
+
+
+def test_bad_scheme_inputs():
+    with pytest.raises(QuantgateError, match="unknown scheme"):
+        get_scheme("w3a7-magic")
+    m = build_model(preset("tiny"), seed=0)
+    with pytest.raises(QuantgateError, match="no attention gate"):
+        quantize_(m, get_scheme("w4a16-g32-gate8"))
+    with pytest.raises(QuantgateError, match="calibration"):
+        quantize_(m, get_scheme("w8a8-static"), calib_windows=np.zeros((0, 16), dtype=np.int64))
+    with pytest.raises(QuantgateError, match="layers.0.self_attn.q_proj: group size 48 does not divide"):
+        quantize_(build_model(preset("tiny"), seed=0), get_scheme("w4a16-g32", group_size=48))
+
+
+def test_every_named_scheme_runs_and_stays_close_on_a_random_model():
+    m = build_model(preset("tiny", gate="elementwise", vocab_size=64, dim=128, head_dim=32), seed=0).eval()
+    w = windows(4, 32)
+    ref = logits_of(m, w)
+    for name in SCHEMES:
+        q = quantize_(copy.deepcopy(m), get_scheme(name), calib_windows=w)
+        e = logit_errors(ref, logits_of(q, w))
+        assert e["top1_agreement"] > 0.8 and e["kld_mean"] < 0.05, (name, e)
+        assert q.cfg.extra["quant_scheme"]["name"] == name
