@@ -6,11 +6,14 @@ position 0 (BOS) out of that range and out of quantization.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 import torch.nn as nn
 
 from .errors import QuantgateError
+from .gptq import gptq_quantize, input_hessian
 from .model import Model
 from .progress import track
 from .qlinear import ActRange, QuantLinear, quantize_weight
@@ -24,19 +27,36 @@ def block_linears(model: Model) -> dict[str, nn.Linear]:
     return {f"layers.{name}": m for name, m in model.layers.named_modules() if isinstance(m, nn.Linear)}
 
 
+@dataclass
+class Calibration:
+    ranges: dict[str, ActRange] = field(default_factory=dict)     # static activation ranges
+    hessians: dict[str, torch.Tensor] = field(default_factory=dict)  # sum x^T x per Linear (GPTQ)
+
+
 @torch.inference_mode()
-def calibrate(model: Model, windows: np.ndarray, scheme: Scheme, batch: int = 4) -> dict[str, ActRange]:
+def calibrate(model: Model, windows: np.ndarray, scheme: Scheme, batch: int = 4) -> Calibration:
+    """One pass of the float model over the windows, recording what the scheme needs per Linear.
+
+    GPTQ Hessians come from the float model's inputs in this single pass (not layer-sequentially from
+    already-quantized layers), which keeps calibration one forward per batch.
+    """
     if windows is None or len(windows) == 0:
         raise QuantgateError(f"scheme {scheme.name} needs calibration windows, and none were given")
     linears = block_linears(model)
     lo = {n: float("inf") for n in linears}
     hi = {n: float("-inf") for n in linears}
     samples: dict[str, list] = {n: [] for n in linears}
+    hessians: dict[str, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(0)
 
     def hook_for(name):
         def hook(_m, args):
             x = args[0]
+            if scheme.method == "gptq":
+                h = input_hessian(x.detach())
+                hessians[name] = h if name not in hessians else hessians[name] + h
+            if scheme.act != "static":
+                return
             if scheme.sink_aware:
                 x = x[:, 1:]
             x = x.detach().float().reshape(-1)
@@ -56,14 +76,15 @@ def calibrate(model: Model, windows: np.ndarray, scheme: Scheme, batch: int = 4)
     finally:
         for h in hooks:
             h.remove()
-    if scheme.calib == "percentile":
+    cal = Calibration(hessians=hessians)
+    if scheme.act == "static" and scheme.calib == "percentile":
         q = torch.tensor([(100 - scheme.percentile) / 100, scheme.percentile / 100])
-        ranges = {}
         for n, s in samples.items():
             lo_hi = torch.quantile(torch.cat(s), q)
-            ranges[n] = ActRange(float(lo_hi[0]), float(lo_hi[1]))
-        return ranges
-    return {n: ActRange(lo[n], hi[n]) for n in linears}
+            cal.ranges[n] = ActRange(float(lo_hi[0]), float(lo_hi[1]))
+    elif scheme.act == "static":
+        cal.ranges = {n: ActRange(lo[n], hi[n]) for n in linears}
+    return cal
 
 
 def _bits_for(name: str, scheme: Scheme) -> int | None:
@@ -78,16 +99,19 @@ def quantize_(model: Model, scheme: Scheme, calib_windows: np.ndarray | None = N
     if scheme.gate_bits is not None and model.cfg.gate == "none":
         raise QuantgateError(f"scheme {scheme.name} keeps the gate at {scheme.gate_bits} bits, "
                              f"but this model has no attention gate")
-    ranges = calibrate(model, calib_windows, scheme) if scheme.needs_calibration else {}
+    cal = calibrate(model, calib_windows, scheme) if scheme.needs_calibration else Calibration()
     for name, lin in block_linears(model).items():
         bits = _bits_for(name, scheme)
         w = lin.weight.detach().float()
         if bits is not None:
-            try:
-                w = quantize_weight(w, bits, scheme.group_size)
-            except QuantgateError as e:
-                raise QuantgateError(f"{name}: {e}") from None
-        q = QuantLinear(w.to(lin.weight.dtype), act=scheme.act, act_bits=scheme.act_bits, act_range=ranges.get(name),
+            g = scheme.group_size
+            if g is not None and w.shape[1] % g:
+                raise QuantgateError(f"{name}: group size {g} does not divide the layer's input width {w.shape[1]}")
+            if scheme.method == "gptq":
+                w = gptq_quantize(w, cal.hessians[name], bits, g)
+            else:
+                w = quantize_weight(w, bits, g)
+        q = QuantLinear(w.to(lin.weight.dtype), act=scheme.act, act_bits=scheme.act_bits, act_range=cal.ranges.get(name),
                         symmetric=scheme.symmetric, skip_first_position=scheme.sink_aware,
                         weight_bits=bits, group_size=scheme.group_size)
         parent_name, _, child = name.rpartition(".")

@@ -25,10 +25,11 @@ class Scheme:
     sink_aware: bool = False             # PrefixQuant-style: BOS kept in float and left out of calibration
     gate_bits: int | None = None         # gate-aware: the gate rows keep this many bits
     gate_scope: str = "gate"             # "gate": only W_g; "q_and_gate": the whole fused q|gate projection
+    method: str = "rtn"                  # weight rounding: "rtn" (round to nearest) | "gptq"
 
     @property
     def needs_calibration(self) -> bool:
-        return self.act == "static"
+        return self.act == "static" or self.method == "gptq"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -46,6 +47,8 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("w4a16-g128", weight_bits=4, group_size=128),
     Scheme("w4a16-g32-gate8", weight_bits=4, group_size=32, gate_bits=8),
     Scheme("w4a16-g32-qgate8", weight_bits=4, group_size=32, gate_bits=8, gate_scope="q_and_gate"),
+    Scheme("gptq-w4a16-g32", weight_bits=4, group_size=32, method="gptq"),
+    Scheme("gptq-w4a16-g128", weight_bits=4, group_size=128, method="gptq"),
 )}
 
 

@@ -136,3 +136,28 @@ def test_every_named_scheme_runs_and_stays_close_on_a_random_model():
         e = logit_errors(ref, logits_of(q, w))
         assert e["top1_agreement"] > 0.8 and e["kld_mean"] < 0.05, (name, e)
         assert q.cfg.extra["quant_scheme"]["name"] == name
+
+
+def test_gptq_beats_rtn_on_strongly_correlated_inputs():
+    from quantgate.gptq import gptq_quantize, input_hessian
+    g = torch.Generator().manual_seed(0)
+    mix = torch.randn(8, 128, generator=g)
+    draw = lambda n: torch.randn(n, 8, generator=g) @ mix + 0.05 * torch.randn(n, 128, generator=g)  # noqa: E731
+    x, test_x = draw(4096), draw(1024)  # inputs of rank ~8 plus a little noise; held-out rows for the error
+    w = torch.randn(64, 128, generator=g)
+    H = input_hessian(x)
+    for bits, group in ((4, 32), (4, None), (3, 32)):
+        rtn, gptq = quantize_weight(w, bits, group), gptq_quantize(w, H, bits, group)
+        err = lambda q: float(((test_x @ (w - q).T) ** 2).mean())  # noqa: E731
+        assert err(gptq) < 0.5 * err(rtn), (bits, group, err(gptq), err(rtn))
+
+
+def test_gptq_scheme_runs_through_quantize_():
+    m = build_model(preset("tiny", vocab_size=64), seed=0).eval()
+    w = windows(4, 32)
+    ref = logits_of(m, w)
+    q = quantize_(copy.deepcopy(m), get_scheme("gptq-w4a16-g32"), calib_windows=w)
+    r = quantize_(copy.deepcopy(m), get_scheme("w4a16-g32"))
+    assert logit_errors(ref, logits_of(q, w))["kld_mean"] < logit_errors(ref, logits_of(r, w))["kld_mean"]
+    with pytest.raises(QuantgateError, match="calibration"):
+        quantize_(copy.deepcopy(m), get_scheme("gptq-w4a16-g32"))
