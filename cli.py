@@ -89,11 +89,31 @@ def train(out, resume, compile_, **kw):
 @click.option("--split", type=click.Choice(["auto", "all", "train", "valid", "test"]), default="auto",
               show_default=True, help="auto: test split of the embedded corpus, whole text otherwise")
 @click.option("--max-windows", type=int, default=None, help="evaluate at most N windows")
+@click.option("--reference", type=click.Path(), default=None,
+              help="float model to compare against: adds KL divergence, top-1 agreement and the perplexity delta")
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
-def eval_cmd(model, data, ctx, split, max_windows, as_json):
+def eval_cmd(model, data, ctx, split, max_windows, reference, as_json):
     """Perplexity of MODEL: consecutive windows of ctx-1 tokens, BOS first, every token scored."""
     from quantgate.evaluate import evaluate_model
-    _emit(evaluate_model(model, data, ctx, split, max_windows), as_json)
+    _emit(evaluate_model(model, data, ctx, split, max_windows, reference=reference), as_json)
+
+
+@main.command()
+@click.argument("model", type=click.Path())
+@click.option("--backend", type=click.Choice(["torch"]), default="torch", show_default=True,
+              help="torch: fake-quantized weights and activations, evaluated by our PyTorch runner")
+@click.option("--scheme", required=True, help="w8a8-static[-sym|-pct|-sink], w8a8-dynamic, w8a16, "
+              "w4a16-g32|g64|g128, w4a16-g32-gate8, w4a16-g32-qgate8, gptq-w4a16-g32|g128")
+@click.option("--out", required=True, type=click.Path(), help="output model directory")
+@click.option("--calib-data", default="embedded", show_default=True,
+              help="calibration text (the embedded corpus's valid split; never its test split)")
+@click.option("--calib-windows", default=32, show_default=True)
+@click.option("--ctx", default=256, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+def quantize(model, backend, scheme, out, calib_data, calib_windows, ctx, seed):
+    """Quantize MODEL under a named scheme and write a loadable checkpoint that records the scheme."""
+    from quantgate.quantize import quantize_checkpoint
+    _emit(quantize_checkpoint(model, scheme, out, calib_data, calib_windows, ctx, seed), False)
 
 
 @main.command()

@@ -253,6 +253,9 @@ def load_checkpoint(path: str | Path, with_tokenizer: bool = True) -> Loaded:
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:  # a mapping-table bug, not user error
         raise RuntimeError(f"internal mapping error: missing {missing}, unexpected {unexpected}")
+    if "quant_scheme" in cfg.extra:
+        from .quantize import apply_saved_quantization
+        apply_saved_quantization(model, cfg.extra)
     model.eval()
     tok = None
     if with_tokenizer and (path / "tokenizer.json").is_file():

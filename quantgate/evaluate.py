@@ -7,12 +7,16 @@ same code, so their numbers compare with PyTorch's and with transformers'.
 """
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
 from .errors import QuantgateError
+from .fsio import atomic_file
 from .progress import track
 from .runners import Runner, TorchRunner
 
@@ -70,11 +74,45 @@ def default_split(data: str) -> str:
     return "test" if str(data) in EMBEDDED_NAMES else "all"
 
 
+def cache_dir() -> Path:
+    """Where reference logits are kept: $QUANTGATE_CACHE, else $XDG_CACHE_HOME/quantgate, else ~/.cache/quantgate."""
+    env = os.environ.get("QUANTGATE_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quantgate"
+
+
+def _model_key(path: str) -> str:
+    """Identity of a model directory's contents: file names, sizes and modification times."""
+    h = hashlib.sha256()
+    for f in sorted(Path(path).iterdir()):
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return h.hexdigest()[:16]
+
+
+def reference_logits(ref_path: str, windows: np.ndarray, data_key: str) -> np.ndarray:
+    """fp32 PyTorch logits of the reference on these windows, computed once and cached on disk."""
+    from .checkpoint import load_checkpoint
+    key = hashlib.sha256(f"{_model_key(ref_path)}|{data_key}|{windows.shape}|"
+                         f"{hashlib.sha256(windows.tobytes()).hexdigest()}".encode()).hexdigest()[:24]
+    path = cache_dir() / f"ref-logits-{key}.npy"
+    if path.is_file():
+        return np.load(path, mmap_mode="r")
+    logits = TorchRunner(load_checkpoint(ref_path).model, name="reference").logits(windows)
+    with atomic_file(path) as f:
+        np.save(f, logits.astype(np.float32))
+    return np.load(path, mmap_mode="r")
+
+
 def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
-                   max_windows: int | None = None, device: str = "cpu") -> dict:
-    """Perplexity of a model directory on a text source; the dict the CLI prints as JSON."""
+                   max_windows: int | None = None, device: str = "cpu", reference: str | None = None) -> dict:
+    """Perplexity of a model directory on a text source; with `reference`, also KL divergence and top-1
+    agreement against the reference's fp32 logits on the same windows, and the perplexity delta."""
     from .calib_data import load_corpus, tokenize_corpus
     from .checkpoint import load_checkpoint
+    from .metrics import position_kld
 
     loaded = load_checkpoint(model_path)
     if loaded.tokenizer is None:
@@ -85,6 +123,28 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
         raise QuantgateError(f"{data}: the {split} split is empty")
     stream = tokenize_corpus(corpus, loaded.tokenizer)
     windows = eval_windows(stream.ids, ctx, loaded.tokenizer.bos_id, max_windows)
-    result = perplexity(TorchRunner(loaded.model, device), windows)
-    return {"model": str(model_path), "backend": "torch", "data": str(data), "split": split,
-            "corpus_fingerprint": corpus.fingerprint, **result.to_dict()}
+    runner = TorchRunner(loaded.model, device)
+    out = {"model": str(model_path), "backend": "torch", "data": str(data), "split": split,
+           "corpus_fingerprint": corpus.fingerprint}
+    if reference is None:
+        return {**out, **perplexity(runner, windows).to_dict()}
+    ref = load_checkpoint(reference, with_tokenizer=True)
+    if ref.tokenizer is not None and ref.tokenizer.tok.to_str() != loaded.tokenizer.tok.to_str():
+        raise QuantgateError(f"{reference} and {model_path} use different tokenizers: their logits do not compare")
+    ref_logits = reference_logits(reference, windows, f"{corpus.fingerprint}|{split}|{ctx}")
+    nll, ref_nll, kld, top1 = [], [], [], []
+    batch = 4
+    for i in track(range(0, len(windows), batch), f"eval vs {Path(reference).name}", total=-(-len(windows) // batch)):
+        w = windows[i:i + batch]
+        lg, rl = runner.logits(w), np.asarray(ref_logits[i:i + batch])
+        nll.append(token_nll(lg, w).reshape(-1))
+        ref_nll.append(token_nll(rl, w).reshape(-1))
+        kld.append(position_kld(rl, lg).reshape(-1))
+        top1.append((rl.argmax(-1) == lg.argmax(-1)).reshape(-1))
+    nll, ref_nll, kld, top1 = (np.concatenate(a) for a in (nll, ref_nll, kld, top1))
+    ppl, ref_ppl = math.exp(nll.mean()), math.exp(ref_nll.mean())
+    return {**out, "ppl": ppl, "mean_nll": float(nll.mean()), "n_tokens": int(nll.size), "n_windows": len(windows),
+            "ctx": ctx, "reference": str(reference), "reference_ppl": ref_ppl, "delta_ppl": ppl - ref_ppl,
+            "delta_ppl_pct": 100 * (ppl / ref_ppl - 1), "kld_mean": float(kld.mean()),
+            "kld_p99": float(np.percentile(kld, 99)), "kld_max": float(kld.max()),
+            "top1_agreement": float(top1.mean())}

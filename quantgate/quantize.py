@@ -118,3 +118,63 @@ def quantize_(model: Model, scheme: Scheme, calib_windows: np.ndarray | None = N
         setattr(model.get_submodule(parent_name), child, q)
     model.cfg.extra = {**model.cfg.extra, "quant_scheme": scheme.to_dict()}
     return model
+
+
+# --- checkpoints that carry their scheme --------------------------------------------------------------
+# Weights are stored already rounded (dequantized, float32) in the normal layout, so stock loaders open
+# them as plain models; config.json's "quantgate" block holds the scheme and the calibrated activation
+# ranges, which `load_checkpoint` re-applies so our runners see exactly what was evaluated.
+
+def saved_quantization(model: Model) -> dict:
+    ranges = {n: [m.act_range.lo, m.act_range.hi] for n, m in model.layers.named_modules()
+              if isinstance(m, QuantLinear) and m.act_range is not None}
+    bits = {f"layers.{n}": m.weight_bits for n, m in model.layers.named_modules() if isinstance(m, QuantLinear)}
+    return {"act_ranges": {f"layers.{k}": v for k, v in ranges.items()}, "weight_bits": bits}
+
+
+def apply_saved_quantization(model: Model, extra: dict) -> Model:
+    """Wrap the block Linears of a freshly loaded model as its config.json's scheme says."""
+    scheme = Scheme(**extra["quant_scheme"])
+    ranges = extra.get("quant_state", {}).get("act_ranges", {})
+    bits = extra.get("quant_state", {}).get("weight_bits", {})
+    for name, lin in block_linears(model).items():
+        r = ranges.get(name)
+        if scheme.act == "static" and r is None:
+            raise QuantgateError(f"config.json: the {scheme.name} checkpoint has no activation range for {name}")
+        q = QuantLinear(lin.weight.detach(), act=scheme.act, act_bits=scheme.act_bits,
+                        act_range=None if r is None else ActRange(*r), symmetric=scheme.symmetric,
+                        skip_first_position=scheme.sink_aware, weight_bits=bits.get(name), group_size=scheme.group_size)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, q)
+    return model
+
+
+def quantize_checkpoint(model_path: str, scheme_name: str, out: str, calib_data: str = "embedded",
+                        n_windows: int = 32, ctx: int = 256, seed: int = 0) -> dict:
+    """`quantgate quantize --backend torch`: load, calibrate on held-out text, quantize, save."""
+    from .calib_data import load_corpus, sample_windows, tokenize_corpus
+    from .calib_data.sources import EMBEDDED_NAMES
+    from .checkpoint import load_checkpoint, save_checkpoint
+    from .layouts import DEFAULT_LAYOUT_FOR_GATE
+    from .schemes import get_scheme
+
+    scheme = get_scheme(scheme_name)
+    loaded = load_checkpoint(model_path)
+    if "quant_scheme" in loaded.model.cfg.extra:
+        raise QuantgateError(f"{model_path} is already quantized ({loaded.model.cfg.extra['quant_scheme']['name']})")
+    windows = None
+    if scheme.needs_calibration:
+        if loaded.tokenizer is None:
+            raise QuantgateError(f"{model_path}: no tokenizer.json, cannot tokenize calibration text")
+        split = "valid" if calib_data in EMBEDDED_NAMES else "all"  # never the test split
+        corpus = load_corpus(calib_data).split(split)
+        if not corpus.documents:
+            raise QuantgateError(f"calibration data {calib_data} is empty")
+        windows = sample_windows(tokenize_corpus(corpus, loaded.tokenizer), n_windows, ctx, seed)
+    model = quantize_(loaded.model, scheme, windows)
+    model.cfg.extra = {**model.cfg.extra, "quant_state": saved_quantization(model),
+                       "quantized_from": str(model_path)}
+    layout = loaded.layout if loaded.layout != DEFAULT_LAYOUT_FOR_GATE[model.cfg.gate] else None
+    save_checkpoint(model, out, loaded.tokenizer, layout=layout, inputs=(model_path,))
+    return {"model": str(model_path), "scheme": scheme.to_dict(), "out": str(out),
+            "calibration_windows": 0 if windows is None else len(windows)}

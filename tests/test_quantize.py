@@ -161,3 +161,65 @@ def test_gptq_scheme_runs_through_quantize_():
     assert logit_errors(ref, logits_of(q, w))["kld_mean"] < logit_errors(ref, logits_of(r, w))["kld_mean"]
     with pytest.raises(QuantgateError, match="calibration"):
         quantize_(copy.deepcopy(m), get_scheme("gptq-w4a16-g32"))
+
+
+@pytest.fixture(scope="module")
+def twin_dirs(tmp_path_factory):
+    from quantgate.train import TrainConfig, train
+    return train(TrainConfig(preset="tiny", twins=True, byte_tokenizer=True, max_chars=400_000, steps=30,
+                             batch_size=4, ctx=64, warmup=5, threads=2, ckpt_every=1000),
+                 tmp_path_factory.mktemp("twins"))
+
+
+def test_quantize_cli_writes_a_checkpoint_that_reloads_with_its_scheme(tmp_path, twin_dirs):
+    import json
+
+    from conftest import run_cli
+    from quantgate.checkpoint import load_checkpoint
+    env = {"QUANTGATE_CACHE": str(tmp_path / "cache")}
+    src = twin_dirs["gated"]
+    r = run_cli("quantize", str(src), "--scheme", "w8a8-static-sink", "--out", str(tmp_path / "q"),
+                "--calib-windows", "4", "--ctx", "64", env=env)
+    assert r.returncode == 0, r.stderr
+    loaded = load_checkpoint(tmp_path / "q")
+    down = loaded.model.layers[0].mlp.down_proj
+    assert isinstance(down, QuantLinear) and down.act == "static" and down.skip_first_position
+    assert loaded.model.cfg.extra["quant_scheme"]["name"] == "w8a8-static-sink"
+    import transformers  # stock tools still open it (as a plain model with rounded weights)
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q")
+    text = tmp_path / "t.txt"
+    text.write_text("def f(x):\n    return x * 2\n" * 300)
+    e = run_cli("eval", str(tmp_path / "q"), "--reference", str(src), "--data", str(text), "--ctx", "64", "--json",
+                env=env)
+    assert e.returncode == 0, e.stderr
+    res = json.loads(e.stdout)
+    assert 0 < res["kld_mean"] < 0.1 and 0.5 < res["top1_agreement"] <= 1.0  # quantized: KLD > 0
+    assert res["delta_ppl"] == pytest.approx(res["ppl"] - res["reference_ppl"])
+    assert len(list((tmp_path / "cache").glob("ref-logits-*.npy"))) == 1
+    again = run_cli("eval", str(tmp_path / "q"), "--reference", str(src), "--data", str(text), "--ctx", "64",
+                    "--json", env=env)
+    assert json.loads(again.stdout)["kld_mean"] == res["kld_mean"]  # the cached reference gives the same answer
+    same = run_cli("eval", str(src), "--reference", str(src), "--data", str(text), "--ctx", "64", "--json", env=env)
+    assert json.loads(same.stdout)["kld_mean"] == pytest.approx(0, abs=1e-9)
+    assert json.loads(same.stdout)["top1_agreement"] == 1.0
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--scheme", "w3a7-magic"], "unknown scheme"),
+    (["--scheme", "w4a16-g32-gate8", "--model-role", "baseline"], "no attention gate"),
+    (["--scheme", "w8a8-static", "--calib-data", "EMPTY"], "empty"),
+])
+def test_quantize_cli_bad_inputs(tmp_path, twin_dirs, args, needle):
+    from conftest import dir_snapshot, run_cli
+    role = "gated"
+    if "--model-role" in args:
+        role = args[args.index("--model-role") + 1]
+        args = args[:args.index("--model-role")]
+    if "EMPTY" in args:
+        (tmp_path / "empty.txt").write_text("")
+        args = [str(tmp_path / "empty.txt") if a == "EMPTY" else a for a in args]
+    before = dir_snapshot(twin_dirs[role])
+    r = run_cli("quantize", str(twin_dirs[role]), *args, "--out", str(tmp_path / "q"))
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and needle in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "q").exists() and dir_snapshot(twin_dirs[role]) == before
