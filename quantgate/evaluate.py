@@ -112,7 +112,6 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
     agreement against the reference's fp32 logits on the same windows, and the perplexity delta."""
     from .calib_data import load_corpus, tokenize_corpus
     from .checkpoint import load_checkpoint
-    from .metrics import position_kld
 
     loaded = load_checkpoint(model_path)
     if loaded.tokenizer is None:
@@ -132,9 +131,16 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
     if ref.tokenizer is not None and ref.tokenizer.tok.to_str() != loaded.tokenizer.tok.to_str():
         raise QuantgateError(f"{reference} and {model_path} use different tokenizers: their logits do not compare")
     ref_logits = reference_logits(reference, windows, f"{corpus.fingerprint}|{split}|{ctx}")
+    return {**out, "reference": str(reference), **compare_to_reference(runner, ref_logits, windows)}
+
+
+def compare_to_reference(runner: Runner, ref_logits: np.ndarray, windows: np.ndarray, batch: int = 4) -> dict:
+    """Perplexity of `runner` and of the reference logits on the same windows, with per-position KL
+    divergence KL(P_ref || P_runner) (mean, p99, max) and top-1 agreement."""
+    from .metrics import position_kld
     nll, ref_nll, kld, top1 = [], [], [], []
-    batch = 4
-    for i in track(range(0, len(windows), batch), f"eval vs {Path(reference).name}", total=-(-len(windows) // batch)):
+    for i in track(range(0, len(windows), batch), f"eval {runner.name} vs reference",
+                   total=-(-len(windows) // batch)):
         w = windows[i:i + batch]
         lg, rl = runner.logits(w), np.asarray(ref_logits[i:i + batch])
         nll.append(token_nll(lg, w).reshape(-1))
@@ -143,8 +149,8 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
         top1.append((rl.argmax(-1) == lg.argmax(-1)).reshape(-1))
     nll, ref_nll, kld, top1 = (np.concatenate(a) for a in (nll, ref_nll, kld, top1))
     ppl, ref_ppl = math.exp(nll.mean()), math.exp(ref_nll.mean())
-    return {**out, "ppl": ppl, "mean_nll": float(nll.mean()), "n_tokens": int(nll.size), "n_windows": len(windows),
-            "ctx": ctx, "reference": str(reference), "reference_ppl": ref_ppl, "delta_ppl": ppl - ref_ppl,
+    return {"ppl": ppl, "mean_nll": float(nll.mean()), "n_tokens": int(nll.size), "n_windows": len(windows),
+            "ctx": int(windows.shape[1]), "reference_ppl": ref_ppl, "delta_ppl": ppl - ref_ppl,
             "delta_ppl_pct": 100 * (ppl / ref_ppl - 1), "kld_mean": float(kld.mean()),
             "kld_p99": float(np.percentile(kld, 99)), "kld_max": float(kld.max()),
             "top1_agreement": float(top1.mean())}
