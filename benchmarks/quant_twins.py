@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-SCHEMES = ["w8a8-static", "w8a8-static-sym", "w8a8-static-pct", "w8a8-static-sink", "w8a8-dynamic", "w8a16",
+SCHEMES = ["w8a8-static", "w8a8-static-sym", "w8a8-static-pct", "w8a8-static-sink", "w8a8-smoothquant",
+           "w8a8-dynamic", "w8a16", "kv-int8", "kv-int4",
            "w4a16-g32", "w4a16-g128", "gptq-w4a16-g32", "w4a16-g32-gate8"]
 
 

@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .qlinear import fake_quant_per_token
+
 GATE_MODES = ("none", "headwise", "elementwise")
 
 
@@ -136,6 +138,7 @@ class Attention(nn.Module):
         self.g_proj = nn.Linear(cfg.dim, cfg.gate_dim, bias=False) if cfg.gate != "none" else None
         self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.kv_bits: int | None = None  # set by KV-cache quantization schemes: k, v rounded per token and head
 
     def forward(self, x, cos, sin, past=None, probe=False):
         """x: normed layer input [B, T, D]. past: (k, v) each [B, KV, P, hd] or None.
@@ -151,6 +154,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_bits is not None:  # what a quantized KV cache would hold
+            k, v = fake_quant_per_token(k, self.kv_bits), fake_quant_per_token(v, self.kv_bits)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if past is not None:
             k = torch.cat([past[0], k], dim=2)

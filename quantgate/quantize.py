@@ -18,6 +18,7 @@ from .model import Model
 from .progress import track
 from .qlinear import ActRange, QuantLinear, quantize_weight
 from .schemes import Scheme
+from .smoothquant import smooth_
 
 PERCENTILE_SAMPLE = 1 << 18  # input values kept per Linear and batch for percentile ranges
 
@@ -99,8 +100,16 @@ def quantize_(model: Model, scheme: Scheme, calib_windows: np.ndarray | None = N
     if scheme.gate_bits is not None and model.cfg.gate == "none":
         raise QuantgateError(f"scheme {scheme.name} keeps the gate at {scheme.gate_bits} bits, "
                              f"but this model has no attention gate")
+    if scheme.smooth_alpha is not None:
+        if calib_windows is None or len(calib_windows) == 0:
+            raise QuantgateError(f"scheme {scheme.name} needs calibration windows, and none were given")
+        smooth_(model, calib_windows, scheme.smooth_alpha)
     cal = calibrate(model, calib_windows, scheme) if scheme.needs_calibration else Calibration()
+    for layer in model.layers:
+        layer.self_attn.kv_bits = scheme.kv_bits
     for name, lin in block_linears(model).items():
+        if scheme.weight_bits is None and scheme.act is None and scheme.gate_bits is None:
+            break  # a KV-cache-only scheme leaves the Linears alone
         bits = _bits_for(name, scheme)
         w = lin.weight.detach().float()
         if bits is not None:
@@ -135,6 +144,10 @@ def saved_quantization(model: Model) -> dict:
 def apply_saved_quantization(model: Model, extra: dict) -> Model:
     """Wrap the block Linears of a freshly loaded model as its config.json's scheme says."""
     scheme = Scheme(**extra["quant_scheme"])
+    for layer in model.layers:
+        layer.self_attn.kv_bits = scheme.kv_bits
+    if scheme.weight_bits is None and scheme.act is None and scheme.gate_bits is None:
+        return model
     ranges = extra.get("quant_state", {}).get("act_ranges", {})
     bits = extra.get("quant_state", {}).get("weight_bits", {})
     for name, lin in block_linears(model).items():

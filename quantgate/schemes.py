@@ -26,10 +26,12 @@ class Scheme:
     gate_bits: int | None = None         # gate-aware: the gate rows keep this many bits
     gate_scope: str = "gate"             # "gate": only W_g; "q_and_gate": the whole fused q|gate projection
     method: str = "rtn"                  # weight rounding: "rtn" (round to nearest) | "gptq"
+    smooth_alpha: float | None = None    # SmoothQuant migration strength before quantizing (None: off)
+    kv_bits: int | None = None           # KV cache rounded per token and head to this many bits
 
     @property
     def needs_calibration(self) -> bool:
-        return self.act == "static" or self.method == "gptq"
+        return self.act == "static" or self.method == "gptq" or self.smooth_alpha is not None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -40,8 +42,11 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("w8a8-static-sym", act="static", symmetric=True),
     Scheme("w8a8-static-pct", act="static", calib="percentile"),
     Scheme("w8a8-static-sink", act="static", sink_aware=True),
+    Scheme("w8a8-smoothquant", act="static", smooth_alpha=0.5),
     Scheme("w8a8-dynamic", act="dynamic"),
     Scheme("w8a16"),
+    Scheme("kv-int8", weight_bits=None, kv_bits=8),
+    Scheme("kv-int4", weight_bits=None, kv_bits=4),
     Scheme("w4a16-g32", weight_bits=4, group_size=32),
     Scheme("w4a16-g64", weight_bits=4, group_size=64),
     Scheme("w4a16-g128", weight_bits=4, group_size=128),

@@ -223,3 +223,41 @@ def test_quantize_cli_bad_inputs(tmp_path, twin_dirs, args, needle):
     assert r.returncode == 2 and r.stderr.startswith("error: ") and needle in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "q").exists() and dir_snapshot(twin_dirs[role]) == before
+
+
+def test_smoothquant_keeps_the_float_function_and_flattens_activations():
+    from quantgate.smoothquant import channel_absmax, smooth_
+    m = build_model(preset("tiny", gate="elementwise", vocab_size=64), seed=0).eval()
+    w = windows(4, 32)
+    with torch.no_grad():  # an outlier channel in every token's normed input, as in real LLMs
+        m.layers[0].input_layernorm.weight[5] = 40.0
+    ref = logits_of(m, w)
+    spread = lambda a: float(a.max() / a.median())  # noqa: E731
+    before = channel_absmax(m, w)["layers.0.input_layernorm"]
+    s = smooth_(copy.deepcopy(m), w, alpha=0.5)
+    assert np.allclose(logits_of(s, w), ref, rtol=1e-4, atol=1e-4)
+    after = channel_absmax(s, w)["layers.0.input_layernorm"]
+    assert spread(after) < spread(before) / 3
+    q = quantize_(copy.deepcopy(m), get_scheme("w8a8-smoothquant"), calib_windows=w)
+    plain = quantize_(copy.deepcopy(m), get_scheme("w8a8-static"), calib_windows=w)
+    assert q.cfg.extra["quant_scheme"]["smooth_alpha"] == 0.5
+    assert logit_errors(ref, logits_of(q, w))["kld_mean"] < logit_errors(ref, logits_of(plain, w))["kld_mean"]
+
+
+def test_kv_cache_quantization():
+    m = build_model(preset("tiny", gate="elementwise", vocab_size=64), seed=0).eval()
+    w = windows(4, 32)
+    ref = logits_of(m, w)
+    q8 = quantize_(copy.deepcopy(m), get_scheme("kv-int8"))
+    q4 = quantize_(copy.deepcopy(m), get_scheme("kv-int4"))
+    assert isinstance(q8.layers[0].self_attn.q_proj, torch.nn.Linear)  # weights untouched
+    assert not isinstance(q8.layers[0].self_attn.q_proj, QuantLinear)
+    e8, e4 = (logit_errors(ref, logits_of(q, w))["kld_mean"] for q in (q8, q4))
+    assert 0 < e8 < e4
+    # rounding is per token, so a cached decode sees exactly what a full forward sees
+    idx = torch.as_tensor(w[:1])
+    with torch.inference_mode():
+        full = q4(idx)
+        pre = q4(idx[:, :20], past=None, start_pos=0, return_hidden=True)
+        step = q4(idx[:, 20:21], past=pre["past"], start_pos=20)
+    assert torch.allclose(step["logits"], full[:, 20:21], atol=1e-5)
