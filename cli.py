@@ -102,8 +102,8 @@ def eval_cmd(model, data, ctx, split, max_windows, reference, as_json):
 @click.argument("model", type=click.Path())
 @click.option("--backend", type=click.Choice(["torch"]), default="torch", show_default=True,
               help="torch: fake-quantized weights and activations, evaluated by our PyTorch runner")
-@click.option("--scheme", required=True, help="w8a8-static[-sym|-pct|-sink], w8a8-dynamic, w8a16, "
-              "w4a16-g32|g64|g128, w4a16-g32-gate8, w4a16-g32-qgate8, gptq-w4a16-g32|g128")
+@click.option("--scheme", required=True, help="w8a8-static[-sym|-pct|-sink], w8a8-smoothquant, w8a8-dynamic, "
+              "w8a16, kv-int8, kv-int4, w4a16-g32|g64|g128, w4a16-g32-gate8, w4a16-g32-qgate8, gptq-w4a16-g32|g128")
 @click.option("--out", required=True, type=click.Path(), help="output model directory")
 @click.option("--calib-data", default="embedded", show_default=True,
               help="calibration text (the embedded corpus's valid split; never its test split)")
