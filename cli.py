@@ -168,6 +168,33 @@ def analyze(model, data, n_windows, ctx, split, seed, compare, json_out, plots):
 
 
 @main.command()
+@click.argument("model", type=click.Path())
+@click.option("--scheme", required=True, help="a scheme name, as for `quantgate quantize`")
+@click.option("--data", default="embedded", show_default=True, help=DATA_HELP)
+@click.option("--windows", "n_windows", default=16, show_default=True, help="held-out windows scored per run")
+@click.option("--calib-windows", default=16, show_default=True)
+@click.option("--ctx", default=256, show_default=True)
+@click.option("--json", "json_out", type=click.Path(), default=None, help="write the full attribution here")
+def attribute(model, scheme, data, n_windows, calib_windows, ctx, json_out):
+    """Which Linear inputs carry the quantization error: one group, one layer, one cell at a time."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from quantgate.attribution import attribute_model
+    rep = attribute_model(model, scheme, data, n_windows, calib_windows, ctx, json_out)
+    t = Table(title=f"{scheme}: KL divergence with only this part quantized (all: {rep['kld_all']:.5f})")
+    for col in ("part", "KLD", "share"):
+        t.add_column(col, justify="right")
+    for kind in ("groups", "layers"):
+        for k, v in rep[kind].items():
+            t.add_row(f"{kind[:-1]} {k}", f"{v:.5f}", f"{rep[kind + '_share'][k]:.1%}")
+    top = sorted(rep["cells_share"].items(), key=lambda kv: -kv[1])[:5]
+    for k, share in top:
+        t.add_row(f"layer.group {k}", f"{rep['cells'][k]:.5f}", f"{share:.1%}")
+    Console().print(t)
+
+
+@main.command()
 @click.option("--out", default="quantgate-demo", show_default=True, type=click.Path(), help="output directory")
 @click.option("--fast", is_flag=True, help="tiny twins, a few minutes (CI)")
 @click.option("--gate", type=click.Choice(["headwise", "elementwise"]), default="elementwise", show_default=True)

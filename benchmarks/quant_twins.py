@@ -34,10 +34,12 @@ def main() -> None:
     from quantgate.calib_data import load_corpus, sample_windows, tokenize_corpus
     from quantgate.checkpoint import load_checkpoint
     from quantgate.evaluate import compare_to_reference, eval_windows
+    from quantgate.metrics import layer_sqnr
     from quantgate.outliers import analyze_model
     from quantgate.quantize import quantize_
     from quantgate.runners import TorchRunner
     from quantgate.schemes import get_scheme
+    from quantgate.smoothquant import smooth_
 
     run = Path(args.run)
     twins = {k: load_checkpoint(run / k) for k in ("baseline", "gated")}
@@ -72,20 +74,33 @@ def main() -> None:
             t = time.time()
             q = quantize_(copy.deepcopy(lt.model), s, calib)
             m = compare_to_reference(TorchRunner(q, name=f"{name}:{scheme}"), ref, windows)
+            # SmoothQuant rescales layer inputs: compare against the smoothed float model, its exact float twin
+            fp = smooth_(copy.deepcopy(lt.model), calib, s.smooth_alpha) if s.smooth_alpha is not None else lt.model
+            sq = layer_sqnr(fp, q, windows[:4])
+            finite = {k: v for k, v in sq.items() if v["output_db"] is not None}
+            if finite:
+                worst = min(finite, key=lambda k: finite[k]["output_db"])
+                m["worst_layer_output_sqnr"] = {"layer": worst, **finite[worst]}
             result["schemes"].setdefault(scheme, {})[name] = {
                 k: round(v, 6) if isinstance(v, float) else v for k, v in m.items()} | {"seconds": round(time.time() - t, 1)}
+            ws = m.get("worst_layer_output_sqnr")
             print(f"{name:9s} {scheme:18s} ppl {m['reference_ppl']:.3f} -> {m['ppl']:.3f} "
-                  f"({m['delta_ppl_pct']:+.2f}%)  KLD {m['kld_mean']:.5f}  top-1 {m['top1_agreement']:.4f}", flush=True)
+                  f"({m['delta_ppl_pct']:+.2f}%)  KLD {m['kld_mean']:.5f}  top-1 {m['top1_agreement']:.4f}  worst layer "
+                  + (f"{ws['layer']} {ws['output_db']:.1f} dB" if ws else "-"), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    lines = ["| scheme | baseline dppl % | gated dppl % | baseline KLD | gated KLD | baseline top-1 | gated top-1 |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| scheme | baseline dppl % | gated dppl % | baseline KLD | gated KLD | baseline top-1 | gated top-1 "
+             "| worst-layer output SQNR dB (baseline / gated) |",
+             "|---|---|---|---|---|---|---|---|"]
     for scheme, by in result["schemes"].items():
         b, g = by.get("baseline"), by["gated"]
         f = lambda d, k, fmt: "-" if d is None else format(d[k], fmt)  # noqa: E731
+        sqnr = lambda d: ("-" if d is None or "worst_layer_output_sqnr" not in d  # noqa: E731
+                          else f"{d['worst_layer_output_sqnr']['output_db']:.1f} "
+                               f"({d['worst_layer_output_sqnr']['layer'].replace('layers.', 'L')})")
         lines.append(f"| {scheme} | {f(b, 'delta_ppl_pct', '+.2f')} | {f(g, 'delta_ppl_pct', '+.2f')} | "
                      f"{f(b, 'kld_mean', '.5f')} | {f(g, 'kld_mean', '.5f')} | {f(b, 'top1_agreement', '.4f')} | "
-                     f"{f(g, 'top1_agreement', '.4f')} |")
+                     f"{f(g, 'top1_agreement', '.4f')} | {sqnr(b)} / {sqnr(g)} |")
     Path(args.out).with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -74,6 +74,9 @@ def default_split(data: str) -> str:
     return "test" if str(data) in EMBEDDED_NAMES else "all"
 
 
+SQNR_WINDOWS = 4  # windows used for the per-layer SQNR of a quantized model
+
+
 def cache_dir() -> Path:
     """Where reference logits are kept: $QUANTGATE_CACHE, else $XDG_CACHE_HOME/quantgate, else ~/.cache/quantgate."""
     env = os.environ.get("QUANTGATE_CACHE")
@@ -131,7 +134,14 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
     if ref.tokenizer is not None and ref.tokenizer.tok.to_str() != loaded.tokenizer.tok.to_str():
         raise QuantgateError(f"{reference} and {model_path} use different tokenizers: their logits do not compare")
     ref_logits = reference_logits(reference, windows, f"{corpus.fingerprint}|{split}|{ctx}")
-    return {**out, "reference": str(reference), **compare_to_reference(runner, ref_logits, windows)}
+    result = {**out, "reference": str(reference), **compare_to_reference(runner, ref_logits, windows)}
+    scheme = loaded.model.cfg.extra.get("quant_scheme")
+    if scheme and scheme.get("smooth_alpha") is None:
+        from .metrics import layer_sqnr
+        result["layer_sqnr_db"] = layer_sqnr(ref.model, loaded.model, windows[:SQNR_WINDOWS])
+    elif scheme:  # SmoothQuant rescaled the layer inputs: the float reference's inputs no longer match
+        result["layer_sqnr_db"] = None
+    return result
 
 
 def compare_to_reference(runner: Runner, ref_logits: np.ndarray, windows: np.ndarray, batch: int = 4) -> dict:

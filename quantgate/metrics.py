@@ -26,3 +26,56 @@ def logit_errors(ref_logits: np.ndarray, test_logits: np.ndarray) -> dict:
     top1 = (ref_logits.argmax(-1) == test_logits.argmax(-1)).reshape(-1)
     return {"kld_mean": float(kld.mean()), "kld_p99": float(np.percentile(kld, 99)), "kld_max": float(kld.max()),
             "top1_agreement": float(top1.mean()), "positions": int(kld.size)}
+
+
+SQNR_CAP_DB = 120.0  # a token quantized without error counts as this, so means stay finite
+
+
+def _token_db(signal: "torch.Tensor", noise: "torch.Tensor"):
+    import torch
+    s = (signal.double() ** 2).sum(-1).reshape(-1)
+    n = (noise.double() ** 2).sum(-1).reshape(-1)
+    db = 10 * torch.log10(s.clamp(min=1e-300) / n.clamp(min=1e-300))
+    return db.clamp(max=SQNR_CAP_DB), bool((n > 0).any())
+
+
+def layer_sqnr(fp_model, q_model, windows: np.ndarray, batch: int = 4) -> dict:
+    """Per block Linear: SQNR (dB) of its quantized input and of its output, on the float model's inputs.
+
+    Each quantized Linear of `q_model` is applied to exactly the input its float twin in `fp_model` sees,
+    so the numbers isolate that layer's own error (not the drift accumulated before it). SQNR is taken per
+    token (over channels) and averaged in dB: a single massive token would otherwise dominate the energy
+    ratio and hide that every other token was rounded away. Untouched values report None (no error).
+    """
+    import torch
+
+    from .qlinear import QuantLinear
+    from .quantize import block_linears
+    fp_lin, q_lin = block_linears(fp_model), block_linears(q_model)
+    acc = {n: {"in": [], "out": [], "in_noisy": False, "out_noisy": False} for n in fp_lin}
+
+    def hook_for(name):
+        def hook(mod, args, out):
+            x = args[0].detach()
+            ql = q_lin[name]
+            xq = ql.quantize_input(x) if isinstance(ql, QuantLinear) else x
+            a = acc[name]
+            db, noisy = _token_db(x, x - xq)
+            a["in"].append(db)
+            a["in_noisy"] |= noisy
+            db, noisy = _token_db(out, out - ql(x))
+            a["out"].append(db)
+            a["out_noisy"] |= noisy
+        return hook
+
+    hooks = [m.register_forward_hook(hook_for(n)) for n, m in fp_lin.items()]
+    try:
+        with torch.inference_mode():
+            for i in range(0, len(windows), batch):
+                fp_model(torch.as_tensor(windows[i:i + batch]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: {"input_db": float(torch.cat(a["in"]).mean()) if a["in_noisy"] else None,
+                "output_db": float(torch.cat(a["out"]).mean()) if a["out_noisy"] else None}
+            for n, a in acc.items()}

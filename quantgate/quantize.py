@@ -7,6 +7,7 @@ position 0 (BOS) out of that range and out of quantization.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ PERCENTILE_SAMPLE = 1 << 18  # input values kept per Linear and batch for percen
 
 def block_linears(model: Model) -> dict[str, nn.Linear]:
     """The Linears a scheme quantizes: every projection inside the decoder blocks."""
-    return {f"layers.{name}": m for name, m in model.layers.named_modules() if isinstance(m, nn.Linear)}
+    return {f"layers.{name}": m for name, m in model.layers.named_modules() if isinstance(m, (nn.Linear, QuantLinear))}
 
 
 @dataclass
@@ -95,8 +96,12 @@ def _bits_for(name: str, scheme: Scheme) -> int | None:
     return scheme.weight_bits
 
 
-def quantize_(model: Model, scheme: Scheme, calib_windows: np.ndarray | None = None) -> Model:
-    """Replace every block Linear by a QuantLinear under `scheme`. Returns the same model object."""
+def quantize_(model: Model, scheme: Scheme, calib_windows: np.ndarray | None = None,
+              only: Callable[[str], bool] | None = None) -> Model:
+    """Replace every block Linear by a QuantLinear under `scheme`. Returns the same model object.
+
+    only(name) -> bool restricts quantization to some Linears (error attribution); the rest stay float.
+    """
     if scheme.gate_bits is not None and model.cfg.gate == "none":
         raise QuantgateError(f"scheme {scheme.name} keeps the gate at {scheme.gate_bits} bits, "
                              f"but this model has no attention gate")
@@ -110,6 +115,8 @@ def quantize_(model: Model, scheme: Scheme, calib_windows: np.ndarray | None = N
     for name, lin in block_linears(model).items():
         if scheme.weight_bits is None and scheme.act is None and scheme.gate_bits is None:
             break  # a KV-cache-only scheme leaves the Linears alone
+        if only is not None and not only(name):
+            continue
         bits = _bits_for(name, scheme)
         w = lin.weight.detach().float()
         if bits is not None:

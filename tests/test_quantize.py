@@ -195,13 +195,15 @@ def test_quantize_cli_writes_a_checkpoint_that_reloads_with_its_scheme(tmp_path,
     res = json.loads(e.stdout)
     assert 0 < res["kld_mean"] < 0.1 and 0.5 < res["top1_agreement"] <= 1.0  # quantized: KLD > 0
     assert res["delta_ppl"] == pytest.approx(res["ppl"] - res["reference_ppl"])
+    sq = res["layer_sqnr_db"]["layers.0.mlp.down_proj"]
+    assert 10 < sq["input_db"] < 120 and 10 < sq["output_db"] < 120
     assert len(list((tmp_path / "cache").glob("ref-logits-*.npy"))) == 1
     again = run_cli("eval", str(tmp_path / "q"), "--reference", str(src), "--data", str(text), "--ctx", "64",
                     "--json", env=env)
     assert json.loads(again.stdout)["kld_mean"] == res["kld_mean"]  # the cached reference gives the same answer
     same = run_cli("eval", str(src), "--reference", str(src), "--data", str(text), "--ctx", "64", "--json", env=env)
     assert json.loads(same.stdout)["kld_mean"] == pytest.approx(0, abs=1e-9)
-    assert json.loads(same.stdout)["top1_agreement"] == 1.0
+    assert json.loads(same.stdout)["top1_agreement"] == 1.0 and "layer_sqnr_db" not in json.loads(same.stdout)
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -261,3 +263,47 @@ def test_kv_cache_quantization():
         pre = q4(idx[:, :20], past=None, start_pos=0, return_hidden=True)
         step = q4(idx[:, 20:21], past=pre["past"], start_pos=20)
     assert torch.allclose(step["logits"], full[:, 20:21], atol=1e-5)
+
+
+def test_layer_sqnr_points_at_the_spiked_layer():
+    from quantgate.metrics import layer_sqnr
+    m = planted_model(gate="none", spike_layer=1, spike_channel=7)
+    w = windows(4, 32)
+    q = quantize_(copy.deepcopy(m), get_scheme("w8a8-static"), calib_windows=w)
+    s = layer_sqnr(m, q, w)
+    worst = min(s, key=lambda n: s[n]["input_db"])  # every input is quantized under W8A8
+    assert worst == "layers.1.mlp.down_proj"  # its range is set by the BOS spike
+    assert s[worst]["input_db"] < s["layers.0.mlp.down_proj"]["input_db"] - 10
+    w8 = layer_sqnr(m, quantize_(copy.deepcopy(m), get_scheme("w8a16")), w)
+    w4 = layer_sqnr(m, quantize_(copy.deepcopy(m), get_scheme("w4a16-g32")), w)
+    assert w8["layers.0.self_attn.q_proj"]["input_db"] is None  # weight-only: inputs untouched
+    assert w8["layers.0.mlp.up_proj"]["output_db"] > w4["layers.0.mlp.up_proj"]["output_db"] + 15  # ~6 dB/bit
+
+
+def test_attribution_finds_the_spiked_down_proj():
+    from quantgate.attribution import attribute_error
+    m = planted_model(gate="none", spike_layer=1, spike_channel=7)
+    w = windows(4, 32)
+    rep = attribute_error(m, get_scheme("w8a8-static"), w, w)
+    assert max(rep["groups_share"], key=rep["groups_share"].get) == "down_proj"
+    assert max(rep["layers_share"], key=rep["layers_share"].get) == "1"
+    assert max(rep["cells_share"], key=rep["cells_share"].get) == "1.down_proj"
+    assert rep["cells_share"]["1.down_proj"] > 0.5
+    assert sum(rep["groups_share"].values()) == pytest.approx(1.0)
+    with pytest.raises(QuantgateError, match="nothing to attribute"):
+        attribute_error(m, get_scheme("kv-int8"), None, w)
+
+
+def test_attribute_cli(tmp_path, twin_dirs):
+    import json
+
+    from conftest import run_cli
+    text = tmp_path / "t.txt"
+    text.write_text("class A:\n    def f(self, x):\n        return [x] * 3\n" * 200)
+    r = run_cli("attribute", str(twin_dirs["gated"]), "--scheme", "w8a8-static", "--data", str(text),
+                "--windows", "4", "--calib-windows", "4", "--ctx", "64", "--json", str(tmp_path / "a.json"))
+    assert r.returncode == 0, r.stderr
+    assert "group down_proj" in r.stdout
+    rep = json.loads((tmp_path / "a.json").read_text())
+    assert set(rep["groups"]) == {"qkv_gate", "o_proj", "gate_up", "down_proj"} and len(rep["layers"]) == 2
+    assert rep["kld_all"] > 0 and sum(rep["layers_share"].values()) == pytest.approx(1.0)
