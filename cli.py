@@ -91,11 +91,15 @@ def train(out, resume, compile_, **kw):
 @click.option("--max-windows", type=int, default=None, help="evaluate at most N windows")
 @click.option("--reference", type=click.Path(), default=None,
               help="float model to compare against: adds KL divergence, top-1 agreement and the perplexity delta")
+@click.option("--torchao", type=click.Choice(["int8-dynamic", "int4-weight"]), default=None,
+              help="run with torchao's real integer kernels (int4-weight needs CUDA)")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
-def eval_cmd(model, data, ctx, split, max_windows, reference, as_json):
+def eval_cmd(model, data, ctx, split, max_windows, reference, torchao, device, as_json):
     """Perplexity of MODEL: consecutive windows of ctx-1 tokens, BOS first, every token scored."""
     from quantgate.evaluate import evaluate_model
-    _emit(evaluate_model(model, data, ctx, split, max_windows, reference=reference), as_json)
+    _emit(evaluate_model(model, data, ctx, split, max_windows, device=device, reference=reference,
+                         torchao=torchao), as_json)
 
 
 @main.command()

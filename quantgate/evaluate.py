@@ -110,7 +110,8 @@ def reference_logits(ref_path: str, windows: np.ndarray, data_key: str) -> np.nd
 
 
 def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
-                   max_windows: int | None = None, device: str = "cpu", reference: str | None = None) -> dict:
+                   max_windows: int | None = None, device: str = "cpu", reference: str | None = None,
+                   torchao: str | None = None) -> dict:
     """Perplexity of a model directory on a text source; with `reference`, also KL divergence and top-1
     agreement against the reference's fp32 logits on the same windows, and the perplexity delta."""
     from .calib_data import load_corpus, tokenize_corpus
@@ -125,8 +126,12 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
         raise QuantgateError(f"{data}: the {split} split is empty")
     stream = tokenize_corpus(corpus, loaded.tokenizer)
     windows = eval_windows(stream.ids, ctx, loaded.tokenizer.bos_id, max_windows)
-    runner = TorchRunner(loaded.model, device)
-    out = {"model": str(model_path), "backend": "torch", "data": str(data), "split": split,
+    model, backend = loaded.model, "torch"
+    if torchao:
+        from .torchao_backend import quantize_torchao_
+        model, backend = quantize_torchao_(model, torchao, device), f"torchao:{torchao}"
+    runner = TorchRunner(model, device)
+    out = {"model": str(model_path), "backend": backend, "device": device, "data": str(data), "split": split,
            "corpus_fingerprint": corpus.fingerprint}
     if reference is None:
         return {**out, **perplexity(runner, windows).to_dict()}
@@ -136,7 +141,7 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
     ref_logits = reference_logits(reference, windows, f"{corpus.fingerprint}|{split}|{ctx}")
     result = {**out, "reference": str(reference), **compare_to_reference(runner, ref_logits, windows)}
     scheme = loaded.model.cfg.extra.get("quant_scheme")
-    if scheme and scheme.get("smooth_alpha") is None:
+    if scheme and not torchao and scheme.get("smooth_alpha") is None:
         from .metrics import layer_sqnr
         result["layer_sqnr_db"] = layer_sqnr(ref.model, loaded.model, windows[:SQNR_WINDOWS])
     elif scheme:  # SmoothQuant rescaled the layer inputs: the float reference's inputs no longer match

@@ -35,5 +35,5 @@ class TorchRunner:
         out = []
         for i in range(0, len(windows), self.batch_size):
             idx = torch.as_tensor(windows[i:i + self.batch_size], device=self.device)
-            out.append(self.model(idx).float().cpu().numpy())
+            out.append(self.model(idx).float().cpu().numpy())  # fp32 whatever the model's dtype
         return np.concatenate(out, axis=0)
