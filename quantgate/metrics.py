@@ -5,6 +5,7 @@ KL(P_ref || P_test) and top-1 agreement, the quantities llama.cpp's --kl-diverge
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -31,8 +32,7 @@ def logit_errors(ref_logits: np.ndarray, test_logits: np.ndarray) -> dict:
 SQNR_CAP_DB = 120.0  # a token quantized without error counts as this, so means stay finite
 
 
-def _token_db(signal: "torch.Tensor", noise: "torch.Tensor"):
-    import torch
+def _token_db(signal: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, bool]:
     s = (signal.double() ** 2).sum(-1).reshape(-1)
     n = (noise.double() ** 2).sum(-1).reshape(-1)
     db = 10 * torch.log10(s.clamp(min=1e-300) / n.clamp(min=1e-300))
@@ -47,8 +47,6 @@ def layer_sqnr(fp_model, q_model, windows: np.ndarray, batch: int = 4) -> dict:
     token (over channels) and averaged in dB: a single massive token would otherwise dominate the energy
     ratio and hide that every other token was rounded away. Untouched values report None (no error).
     """
-    import torch
-
     from .qlinear import QuantLinear
     from .quantize import block_linears
     fp_lin, q_lin = block_linears(fp_model), block_linears(q_model)

@@ -27,7 +27,7 @@ from .calib_data import load_corpus, sample_windows, tokenize_corpus
 from .checkpoint import save_checkpoint
 from .errors import QuantgateError
 from .fsio import atomic_file, write_json
-from .model import GATE_MODES, Model, ModelConfig, build_model, make_twins, preset
+from .model import GATE_MODES, Model, build_model, make_twins, preset
 from .progress import make_progress
 from .tokenizer import Tokenizer, byte_tokenizer, load_tokenizer, train_bpe
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import dir_snapshot, make_hf_qwen3, run_cli

@@ -72,7 +72,7 @@ def _rms(x, w, eps=1e-6):
 def official_reference_logits(sd: dict, cfg: dict, ids: torch.Tensor) -> torch.Tensor:
     """The official modeling_qwen3.py forward (eager path), restated: q_proj output viewed as
     [B, T, KV, -1] and split into the q of the group's heads and their gate scores."""
-    H, KV, hd, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["hidden_size"]
+    H, KV, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     g = H // KV
     headwise = cfg["headwise_attn_output_gate"]
     B, T = ids.shape
