@@ -204,7 +204,8 @@ def attribute(model, scheme, data, n_windows, calib_windows, ctx, json_out):
 @click.option("--gate", type=click.Choice(["headwise", "elementwise"]), default="elementwise", show_default=True)
 @click.option("--threads", type=int, default=None)
 def demo(out, fast, gate, threads):
-    """Train baseline and gated twins on the embedded corpus and evaluate them on held-out text."""
+    """Train baseline and gated twins on the embedded corpus, evaluate them on held-out text, and
+    analyse their outliers side by side (analysis.json, plots/)."""
     from quantgate.demo import run_demo
     run_demo(out, fast=fast, gate=gate, threads=threads)
 

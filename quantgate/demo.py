@@ -1,7 +1,7 @@
 """`quantgate demo`: the main job, end to end on the embedded corpus.
 
-At this stage: train baseline/gated twins, evaluate both on held-out text, write a summary. Later
-stages (analysis, export, quantization, report) join here. Finished stages are reused on a re-run and
+At this stage: train baseline/gated twins, evaluate both on held-out text, analyse their outliers side
+by side (JSON and plots), write a summary. Later stages (export, quantization, report) join here. Finished stages are reused on a re-run and
 an interrupted training resumes from its last checkpoint.
 """
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from .analyze import run_analyze
 from .evaluate import evaluate_model
 from .fsio import write_json
 from .progress import console
@@ -57,7 +58,20 @@ def run_demo(out: str | Path, fast: bool = False, gate: str = "elementwise", thr
     for k, e in evals.items():
         table.add_row(k, f"{e['ppl']:.3f}", str(e["n_tokens"]))
     console.print(table)
-    console.print(f"summary: {out / 'summary.json'}")
-    summary = {"recipe": recipe, "gate": gate, "eval": evals, "stage_seconds": stages}
+    t = time.time()
+    result = run_analyze(str(models["baseline"]), "embedded", tc.ctx, 8 if fast else 32, "test", 0,
+                         compare=str(models["gated"]), json_out=str(out / "analysis.json"), plots=str(out / "plots"))
+    stages["analyze_s"] = round(time.time() - t, 1)
+    reps = result["reports"]
+    for name, rep in reps.items():
+        L = rep["layers"]
+        worst = max(L, key=lambda l: l["max_abs"])
+        console.print(f"{name}: largest |h| {worst['max_abs']:.1f} (layer {worst['layer']}, position "
+                      f"{worst['max_position']}), max BOS attention {max(max(l['bos_attention']) for l in L):.3f} "
+                      f"(uniform {rep['uniform_bos_share']:.3f})")
+    console.print(f"analyze: {stages['analyze_s']:.0f} s, plots in {out / 'plots'}")
+    summary = {"recipe": recipe, "gate": gate, "eval": evals, "stage_seconds": stages,
+               "analysis": str(out / "analysis.json"), "plots": result["plots"]}
     write_json(out / "summary.json", summary)
+    console.print(f"summary: {out / 'summary.json'}")
     return summary

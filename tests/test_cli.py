@@ -56,6 +56,8 @@ def test_demo_fast_trains_and_evaluates_twins(tmp_path):
     assert set(summary["eval"]) == {"baseline", "gated"}
     for e in summary["eval"].values():
         assert 1 < e["ppl"] < 512 and e["split"] == "test"  # better than uniform over the 512-token vocab
+    assert (out / "plots" / "bos_attention.png").is_file() and (out / "analysis.json").is_file()
+    assert "largest |h|" in r.stderr
     again = run_cli("demo", "--fast", "--out", str(out), timeout=900)  # finished stages are reused
     assert again.returncode == 0 and "reusing" in again.stderr
     assert json.loads((out / "summary.json").read_text())["eval"] == summary["eval"]
