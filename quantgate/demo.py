@@ -1,8 +1,8 @@
 """`quantgate demo`: the main job, end to end on the embedded corpus.
 
 At this stage: train baseline/gated twins, evaluate both on held-out text, analyse their outliers side
-by side (JSON and plots), write a summary. Later stages (export, quantization, report) join here. Finished stages are reused on a re-run and
-an interrupted training resumes from its last checkpoint.
+by side (JSON and plots), write a summary. Later stages (export, quantization, report) join here.
+Finished stages are reused on a re-run and an interrupted training resumes from its last checkpoint.
 """
 from __future__ import annotations
 
