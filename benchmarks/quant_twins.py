@@ -63,6 +63,9 @@ def main() -> None:
             "uniform_bos_share": round(rep["uniform_bos_share"], 4),
             "down_proj_kurtosis": [round(lin[f"layers.{i}.mlp.down_proj"]["kurtosis"], 1) for i in range(len(L))],
             "o_proj_kurtosis": [round(lin[f"layers.{i}.self_attn.o_proj"]["kurtosis"], 1) for i in range(len(L))],
+            "down_proj_input_max_abs": [round(lin[f"layers.{i}.mlp.down_proj"]["max_abs"], 2) for i in range(len(L))],
+            "o_proj_input_max_abs": [round(lin[f"layers.{i}.self_attn.o_proj"]["max_abs"], 2) for i in range(len(L))],
+            "gate_mean": ([round(float(np.mean(l["gate_mean"])), 3) for l in L] if "gate_mean" in L[0] else None),
             "gate_frac_below_0.1": ([round(float(np.mean(l["gate_frac_below_0.1"])), 3) for l in L]
                                     if "gate_mean" in L[0] else None),
         }

@@ -86,6 +86,7 @@ class OutlierCollector:
         self.linear: dict[str, Moments] = {}
         self.gen = torch.Generator().manual_seed(seed)
         self._windows_seen = 0
+        self._ctx = 0
         self._hooks = []
         for name, mod in model.named_modules():
             if isinstance(mod, torch.nn.Linear):
@@ -121,6 +122,7 @@ class OutlierCollector:
     def feed(self, windows: torch.Tensor) -> None:
         self.model(windows, probe=True, on_layer=self._layer)
         self._windows_seen += windows.shape[0]
+        self._ctx = windows.shape[1]
 
     def _layer(self, i: int, h: torch.Tensor, probs: torch.Tensor) -> None:
         B = h.shape[0]
@@ -168,7 +170,8 @@ class OutlierCollector:
         linear = {name: {"max_abs": m.max_abs, "kurtosis": m.kurtosis(), "n": m.n}
                   for name, m in sorted(self.linear.items())}
         return {"windows": self._windows_seen, "layers": layers, "linear_inputs": linear,
-                "uniform_bos_share": None}
+                # a head spreading attention evenly gives BOS mean(1/(q+1)) over queries q = 1..T-1
+                "uniform_bos_share": float(np.mean(1.0 / np.arange(2, self._ctx + 1))), "ctx": self._ctx}
 
 
 def analyze_model(model: Model, windows: np.ndarray, batch: int = 4, top_k: int = 8) -> dict:
@@ -180,9 +183,4 @@ def analyze_model(model: Model, windows: np.ndarray, batch: int = 4, top_k: int 
             col.feed(torch.as_tensor(windows[i:i + batch]))
     finally:
         col.close()
-    rep = col.report()
-    T = windows.shape[1]
-    # a head that spreads attention evenly gives BOS mean(1/(q+1)) over queries q = 1..T-1
-    rep["uniform_bos_share"] = float(np.mean(1.0 / np.arange(2, T + 1)))
-    rep["ctx"] = T
-    return rep
+    return col.report()
