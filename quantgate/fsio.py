@@ -49,11 +49,18 @@ def _writable_parent(path: Path) -> Path:
     return parent
 
 
+def _mkstemp(path: Path, parent: Path) -> tuple[int, str]:
+    try:
+        return tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    except OSError as e:
+        raise QuantgateError(f"cannot write into {parent}: {e.strerror}") from None
+
+
 @contextlib.contextmanager
 def atomic_file(path: Path | str, mode: str = "wb") -> Iterator:
     path = Path(path)
     parent = _writable_parent(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    fd, tmp = _mkstemp(path, parent)
     try:
         with os.fdopen(fd, mode) as f:
             yield f
@@ -68,11 +75,32 @@ def atomic_file(path: Path | str, mode: str = "wb") -> Iterator:
 
 
 @contextlib.contextmanager
+def atomic_path(path: Path | str) -> Iterator[Path]:
+    """Yield a temporary path beside `path` for writers that open files themselves (gguf-py, llama.cpp,
+    onnx); it is renamed to `path` on success and removed on failure."""
+    path = Path(path)
+    parent = _writable_parent(path)
+    fd, tmp = _mkstemp(path, parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, _default_mode(False))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
 def atomic_dir(path: Path | str) -> Iterator[Path]:
     """Yield a temporary directory; on success it replaces `path` (an old `path` is removed last)."""
     path = Path(path)
     parent = _writable_parent(path)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent))
+    except OSError as e:
+        raise QuantgateError(f"cannot write into {parent}: {e.strerror}") from None
     try:
         yield tmp
         os.chmod(tmp, _default_mode(True))

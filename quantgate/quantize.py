@@ -169,11 +169,21 @@ def apply_saved_quantization(model: Model, extra: dict) -> Model:
     return model
 
 
+def calibration_windows(tokenizer, calib_data: str, n_windows: int, ctx: int, seed: int) -> np.ndarray:
+    """Seeded calibration windows: the embedded corpus's valid split (never its test split), a user's text whole."""
+    from .calib_data import load_corpus, sample_windows, tokenize_corpus
+    from .calib_data.sources import EMBEDDED_NAMES
+
+    split = "valid" if calib_data in EMBEDDED_NAMES else "all"
+    corpus = load_corpus(calib_data).split(split)
+    if not corpus.documents:
+        raise QuantgateError(f"calibration data {calib_data} is empty")
+    return sample_windows(tokenize_corpus(corpus, tokenizer), n_windows, ctx, seed)
+
+
 def quantize_checkpoint(model_path: str, scheme_name: str, out: str, calib_data: str = "embedded",
                         n_windows: int = 32, ctx: int = 256, seed: int = 0) -> dict:
     """`quantgate quantize --backend torch`: load, calibrate on held-out text, quantize, save."""
-    from .calib_data import load_corpus, sample_windows, tokenize_corpus
-    from .calib_data.sources import EMBEDDED_NAMES
     from .checkpoint import load_checkpoint, save_checkpoint
     from .layouts import DEFAULT_LAYOUT_FOR_GATE
     from .schemes import get_scheme
@@ -186,11 +196,7 @@ def quantize_checkpoint(model_path: str, scheme_name: str, out: str, calib_data:
     if scheme.needs_calibration:
         if loaded.tokenizer is None:
             raise QuantgateError(f"{model_path}: no tokenizer.json, cannot tokenize calibration text")
-        split = "valid" if calib_data in EMBEDDED_NAMES else "all"  # never the test split
-        corpus = load_corpus(calib_data).split(split)
-        if not corpus.documents:
-            raise QuantgateError(f"calibration data {calib_data} is empty")
-        windows = sample_windows(tokenize_corpus(corpus, loaded.tokenizer), n_windows, ctx, seed)
+        windows = calibration_windows(loaded.tokenizer, calib_data, n_windows, ctx, seed)
     model = quantize_(loaded.model, scheme, windows)
     model.cfg.extra = {**model.cfg.extra, "quant_state": saved_quantization(model),
                        "quantized_from": str(model_path)}
