@@ -233,8 +233,11 @@ def write_state_dict(model: Model, layout: Layout) -> dict[str, torch.Tensor]:
 # --- public API ------------------------------------------------------------------------------------
 
 def load_checkpoint(path: str | Path, with_tokenizer: bool = True) -> Loaded:
-    """Load any supported layout into our Model (fp32, eval mode)."""
+    """Load any supported layout into our Model (fp32, eval mode); a .gguf file is dequantized."""
     path = Path(path)
+    if path.suffix.lower() == ".gguf":  # a GGUF file: dequantized into our model (quantgate.gguf_file)
+        from .gguf_file import load_gguf_model
+        return load_gguf_model(path)
     if not path.exists():
         raise QuantgateError(f"model directory {path} does not exist")
     if not path.is_dir():

@@ -1,0 +1,324 @@
+"""Write a GGUF that stock llama.cpp runs, with the attention gate inside llama.cpp's own graph.
+
+Baseline models become arch `qwen3`. Gated models become arch `qwen35` (Qwen3.5's text decoder) with
+every real layer full attention: `attn_q` holds [q_h | gate_h] per head, and llama.cpp's graph splits
+it, runs attention and multiplies by sigmoid(gate) before `attn_output` (DESIGN section 3).
+
+Name tables follow gguf-py's TENSOR_NAMES; weights are written as PyTorch stores them ([out, in]),
+no permutations (both archs use NEOX-style rope). Written by hand because no converter maps our
+model (or the official gated layout) to qwen35; gguf-py does the file format.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from quantgate import __version__
+from quantgate.errors import QuantgateError
+from quantgate.fsio import atomic_path, check_not_input
+from quantgate.layouts import _fuse_interleaved
+from quantgate.model import Model, ModelConfig
+from quantgate.tokenizer import Tokenizer
+
+OUTTYPES = ("f32", "f16", "bf16")
+
+GLOBAL_TENSORS = {  # ours -> GGUF
+    "embed_tokens.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",  # omitted when tied: llama.cpp then reuses token_embd
+}
+LAYER_TENSORS = {  # ours (under layers.{i}.) -> GGUF (under blk.{i}.), both archs
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+POST_ATTENTION_NORM = {"qwen3": "ffn_norm.weight", "qwen35": "post_attention_norm.weight"}
+Q_TENSOR = "attn_q.weight"  # qwen3: q rows; qwen35: per head [q_h | gate_h]
+
+# ours -> the GGUF tensor whose input is that Linear's input (for importance matrices and gate checks)
+LINEAR_TO_GGUF = {
+    "self_attn.q_proj": "attn_q.weight", "self_attn.g_proj": "attn_q.weight",
+    "self_attn.k_proj": "attn_k.weight", "self_attn.v_proj": "attn_v.weight",
+    "self_attn.o_proj": "attn_output.weight", "mlp.gate_proj": "ffn_gate.weight",
+    "mlp.up_proj": "ffn_up.weight", "mlp.down_proj": "ffn_down.weight",
+}
+
+
+@dataclass
+class IdentityLayerShape:
+    """The one recurrent (gated delta net) layer llama.cpp's qwen35 needs (see `identity_recurrent_layer`).
+
+    state = head_k_dim, inner = value width, heads = value heads (dt_rank), groups = key heads. Its MLP
+    has the model's width: llama.cpp's qwen35 reads one feed_forward_length for all layers (a per-layer
+    array fails its shape check). Cost of each shape: benchmarks/results/gguf_identity_layer.json.
+    """
+    state: int = 256
+    inner: int = 256
+    heads: int = 1
+    groups: int = 1
+    conv_kernel: int = 4
+
+
+def gguf_arch(cfg: ModelConfig) -> str:
+    return "qwen3" if cfg.gate == "none" else "qwen35"
+
+
+def rope_sections(rotary_dim: int) -> list[int]:
+    """IMROPE sections that make llama.cpp's qwen35 rope equal NEOX rope over `rotary_dim` channels.
+
+    IMROPE sends frequency pair i to section s % 3 when s = i mod sum(sections) < 3 * sections[s % 3],
+    else to the fourth section (whose position is 0 for text, i.e. no rotation). Every pair must land in
+    the first three sections, whose positions all equal the token position for text.
+    """
+    n = rotary_dim // 2
+    s0, s1 = -(-n // 3), -(-(n - 1) // 3)
+    sections = [s0, s1, n - s0 - s1, 0]
+    for i in range(n):
+        s = i % n
+        if not s < 3 * sections[s % 3]:
+            raise AssertionError(f"rope sections {sections} leave pair {i} unrotated")
+    return sections
+
+
+# --- tokenizer -------------------------------------------------------------------------------------
+
+# The HF pre-tokenizer that each llama.cpp `tokenizer.ggml.pre` reproduces (llama.cpp's own table).
+QWEN2_SPLIT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+               "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+
+
+def tokenizer_pre(tok: Tokenizer) -> str:
+    """The llama.cpp pre-tokenizer name for a byte-level BPE tokenizer.json, or a clear error."""
+    spec = json.loads(tok.tok.to_str())
+    model, pre = spec.get("model", {}), spec.get("pre_tokenizer") or {}
+    if model.get("type") != "BPE":
+        raise QuantgateError(f"tokenizer model {model.get('type')!r} is not supported for GGUF (byte-level BPE only)")
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"):
+        return "gpt-2"
+    if pre.get("type") == "Sequence":
+        parts = pre.get("pretokenizers", [])
+        if (len(parts) == 2 and parts[0].get("type") == "Split" and parts[0].get("pattern", {}).get("Regex") ==
+                QWEN2_SPLIT and parts[1].get("type") == "ByteLevel" and not parts[1].get("use_regex", True)):
+            return "qwen2"
+    raise QuantgateError("the tokenizer's pre-tokenizer matches no llama.cpp pre-tokenizer quantgate knows "
+                         "(supported: ByteLevel as GPT-2, Qwen2's Split+ByteLevel)")
+
+
+def tokenizer_fields(tok: Tokenizer, n_rows: int) -> dict:
+    """Token list (id order), token types and merges, padded with unused tokens to the embedding rows."""
+    spec = json.loads(tok.tok.to_str())
+    specials = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+    n = tok.vocab_size
+    tokens, types = [], []
+    for i in range(n):
+        t = tok.tok.id_to_token(i)
+        if t is None:
+            raise QuantgateError(f"the tokenizer has no token with id {i} (ids must be contiguous)")
+        tokens.append(t)
+        types.append(3 if i in specials else 1)  # llama.cpp: 1 normal, 3 control, 5 unused
+    for i in range(n, n_rows):
+        tokens.append(f"<|quantgate_unused_{i}|>")
+        types.append(5)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
+    if not merges:
+        # gguf-py drops empty arrays and llama.cpp then refuses the file. A merge of two control tokens is
+        # harmless: BPE starts from single bytes, so that pair of symbols can never occur in text.
+        ctrl = sorted(specials)
+        if len(ctrl) < 2:
+            raise QuantgateError("a tokenizer without merges needs two special tokens for a placeholder merge")
+        merges = [f"{tokens[ctrl[0]]} {tokens[ctrl[1]]}"]
+    return {"tokens": tokens, "types": types, "merges": merges}
+
+
+# --- tensors ---------------------------------------------------------------------------------------
+
+def gguf_tensors(model: Model) -> dict[str, torch.Tensor]:
+    """GGUF name -> fp32 tensor for the real layers (name tables above)."""
+    cfg, sd = model.cfg, model.state_dict()
+    arch = gguf_arch(cfg)
+    out = {}
+    for ours, theirs in GLOBAL_TENSORS.items():
+        if ours == "lm_head.weight" and cfg.tie_embeddings:
+            continue
+        out[theirs] = sd[ours]
+    for i in range(cfg.n_layers):
+        names = dict(LAYER_TENSORS, **{"post_attention_layernorm.weight": POST_ATTENTION_NORM[arch]})
+        for ours, theirs in names.items():
+            key = f"layers.{i}.{ours}"
+            if key in sd:
+                out[f"blk.{i}.{theirs}"] = sd[key]
+        q = sd[f"layers.{i}.self_attn.q_proj.weight"]
+        if arch == "qwen35":
+            q = _fuse_interleaved(q, sd[f"layers.{i}.self_attn.g_proj.weight"], cfg)
+        out[f"blk.{i}.{Q_TENSOR}"] = q
+    return {k: v.detach().float().contiguous() for k, v in out.items()}
+
+
+def identity_recurrent_layer(cfg: ModelConfig, shape: IdentityLayerShape, i: int) -> dict[str, torch.Tensor]:
+    """Workaround for a llama.cpp defect, kept in this one place.
+
+    qwen35 with zero recurrent layers loads but aborts the process on the first decode (an unused
+    recurrent-state input is never allocated; GGML_ASSERT, not catchable). So the file gets one extra
+    gated-delta-net layer after the real ones whose output projections (`ssm_out`, `ffn_down`) are zero:
+    it adds exactly 0 to the residual stream. Its other weights are zero too, so no NaN can arise in it.
+    Its cost (compute and bytes) is measured in benchmarks/gguf_twins.py.
+    """
+    D = cfg.dim
+    key_dim, ffn = shape.state * shape.groups, cfg.ffn_dim
+    z = torch.zeros
+    return {
+        f"blk.{i}.attn_norm.weight": torch.ones(D),
+        f"blk.{i}.post_attention_norm.weight": torch.ones(D),
+        f"blk.{i}.attn_qkv.weight": z(2 * key_dim + shape.inner, D),
+        f"blk.{i}.attn_gate.weight": z(shape.inner, D),
+        f"blk.{i}.ssm_conv1d.weight": z(2 * key_dim + shape.inner, shape.conv_kernel),
+        f"blk.{i}.ssm_beta.weight": z(shape.heads, D),
+        f"blk.{i}.ssm_alpha.weight": z(shape.heads, D),
+        f"blk.{i}.ssm_dt.bias": z(shape.heads),
+        f"blk.{i}.ssm_a": z(shape.heads),
+        f"blk.{i}.ssm_norm.weight": torch.ones(shape.inner // shape.heads),
+        f"blk.{i}.ssm_out.weight": z(D, shape.inner),
+        f"blk.{i}.ffn_gate.weight": z(ffn, D),
+        f"blk.{i}.ffn_up.weight": z(ffn, D),
+        f"blk.{i}.ffn_down.weight": z(D, ffn),
+    }
+
+
+def expected_tensor_names(arch: str, n_layers: int, tied: bool, identity: int) -> set[str]:
+    """Every tensor a file of this shape holds (what the exporter writes and llama.cpp's loader wants)."""
+    names = {"token_embd.weight", "output_norm.weight"} | (set() if tied else {"output.weight"})
+    per_layer = set(LAYER_TENSORS.values()) | {POST_ATTENTION_NORM[arch], Q_TENSOR}
+    names |= {f"blk.{i}.{n}" for i in range(n_layers) for n in per_layer}
+    names |= {f"blk.{n_layers + k}.{n}" for k in range(identity) for n in IDENTITY_TENSORS}
+    return names
+
+
+# names (under blk.{L}.) of the identity recurrent layer's tensors, in the order they are written
+IDENTITY_TENSORS = ("attn_norm.weight", "post_attention_norm.weight", "attn_qkv.weight", "attn_gate.weight",
+                    "ssm_conv1d.weight", "ssm_beta.weight", "ssm_alpha.weight", "ssm_dt.bias", "ssm_a",
+                    "ssm_norm.weight", "ssm_out.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+
+
+# --- writer ----------------------------------------------------------------------------------------
+
+def _to_type(t: torch.Tensor, outtype: str, name: str):
+    """Matrices take the out type; 1-D tensors (norms, biases) and conv weights stay F32 as llama.cpp expects."""
+    import gguf
+    a = t.numpy().astype(np.float32)
+    if a.ndim == 1 or outtype == "f32" or name.endswith("ssm_conv1d.weight"):  # llama.cpp's conv op takes F32 only
+        return a, None
+    if outtype == "f16":
+        if np.abs(a).max() > 65504:
+            raise QuantgateError(f"tensor {name} has values beyond the fp16 range; export with --outtype f32 or bf16")
+        return a.astype(np.float16), None
+    return gguf.quants.quantize(a, gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16
+
+
+def export_gguf(model: Model, tokenizer: Tokenizer | None, out: str | Path, outtype: str = "f32",
+                source_layout: str = "quantgate", name: str | None = None, inputs: tuple = (),
+                identity_shape: IdentityLayerShape | None = None, identity_layers: int = 1) -> Path:
+    """Write `model` as a GGUF file (atomically). Returns the path.
+
+    identity_layers: how many identity recurrent layers a gated (qwen35) file gets. 1 is the workaround;
+    0 reproduces llama.cpp's abort (tests use it to show the runner survives it); 2 lets the benchmark
+    measure what one of them costs."""
+    import gguf
+
+    cfg, out = model.cfg, Path(out)
+    if outtype not in OUTTYPES:
+        raise QuantgateError(f"unknown --outtype {outtype!r}; choose from {', '.join(OUTTYPES)}")
+    if tokenizer is None:
+        raise QuantgateError("the model has no tokenizer.json: a GGUF must embed its tokenizer")
+    if "quant_scheme" in cfg.extra:
+        raise QuantgateError("this model carries a simulated PyTorch quantization scheme; export the float model "
+                             "and quantize the GGUF with `quantgate quantize FILE.gguf --type ...`")
+    if not cfg.qk_norm:
+        raise QuantgateError("llama.cpp's qwen3/qwen35 graphs always apply QK-norm; models without it cannot be exported")
+    arch = gguf_arch(cfg)
+    if arch == "qwen3" and cfg.partial_rotary != 1.0:
+        raise QuantgateError("llama.cpp's qwen3 rotates the whole head: a baseline with partial rotary cannot be exported")
+    check_not_input(out, *inputs)
+    pre = tokenizer_pre(tokenizer)
+    tok = tokenizer_fields(tokenizer, cfg.vocab_size)
+    tensors = gguf_tensors(model)
+    n_identity = identity_layers if arch == "qwen35" else 0
+    shape = identity_shape or IdentityLayerShape()
+    for k in range(n_identity):
+        tensors.update(identity_recurrent_layer(cfg, shape, cfg.n_layers + k))
+
+    with atomic_path(out) as tmp:
+        w = gguf.GGUFWriter(path=str(tmp), arch=arch)
+        w.add_name(name or out.stem)
+        w.add_string("quantgate.version", __version__)
+        w.add_string("quantgate.gate", cfg.gate)
+        w.add_string("quantgate.source_layout", source_layout)
+        w.add_uint32("quantgate.identity_layers", n_identity)
+        w.add_file_type({"f32": 0, "f16": 1, "bf16": 32}[outtype])
+        n_blocks = cfg.n_layers + n_identity
+        w.add_context_length(cfg.max_seq_len)
+        w.add_embedding_length(cfg.dim)
+        w.add_block_count(n_blocks)
+        w.add_feed_forward_length(cfg.ffn_dim)  # qwen35 ignores per-layer arrays: the identity MLP is full width
+        w.add_head_count(cfg.n_heads)
+        w.add_head_count_kv(cfg.n_kv_heads)
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_layer_norm_rms_eps(cfg.norm_eps)
+        w.add_rope_freq_base(cfg.rope_theta)
+        w.add_rope_dimension_count(cfg.rotary_dim)
+        if arch == "qwen35":
+            w.add_rope_dimension_sections(rope_sections(cfg.rotary_dim))
+            w.add_ssm_conv_kernel(shape.conv_kernel)
+            w.add_ssm_inner_size(shape.inner)
+            w.add_ssm_state_size(shape.state)
+            w.add_ssm_time_step_rank(shape.heads)
+            w.add_ssm_group_count(shape.groups)
+            w.add_full_attention_interval(1)
+        if n_identity:  # gguf 0.19 has no helper for this key; llama.cpp reads it as a bool array
+            w.add_array(f"{arch}.attention.recurrent_layers", [False] * cfg.n_layers + [True] * n_identity)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tok["tokens"])
+        w.add_token_types(tok["types"])
+        w.add_token_merges(tok["merges"])
+        w.add_bos_token_id(cfg.bos_id)
+        w.add_eos_token_id(cfg.eos_id)
+        w.add_pad_token_id(cfg.pad_id)
+        w.add_add_bos_token(False)  # callers put BOS in front themselves (one convention everywhere)
+        for tname, t in tensors.items():
+            data, raw = _to_type(t, outtype, tname)
+            w.add_tensor(tname, data, raw_dtype=raw)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return out
+
+
+def export_checkpoint(model_path: str | Path, out: str | Path, outtype: str = "f32",
+                      identity_shape: IdentityLayerShape | None = None, identity_layers: int = 1) -> dict:
+    """`quantgate export gguf`: load any layout the loader reads and write the GGUF. Returns a summary."""
+    from quantgate.checkpoint import load_checkpoint
+    from quantgate.gguf_file import inspect_gguf
+
+    if str(model_path).lower().endswith(".gguf"):
+        raise QuantgateError(f"{model_path} is already a GGUF; quantize it with `quantgate quantize FILE.gguf --type ...`")
+    loaded = load_checkpoint(model_path)
+    cfg = loaded.model.cfg
+    export_gguf(loaded.model, loaded.tokenizer, out, outtype, source_layout=loaded.layout,
+                name=Path(model_path).name, inputs=(model_path,), identity_shape=identity_shape,
+                identity_layers=identity_layers)
+    info = inspect_gguf(out)
+    return {"model": str(model_path), "out": str(out), "arch": info.arch, "gate": cfg.gate,
+            "source_layout": loaded.layout, "outtype": outtype, "layers": cfg.n_layers,
+            "identity_layers": info.n_blocks - info.n_layers, "bytes": info.n_bytes}
