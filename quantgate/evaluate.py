@@ -88,7 +88,8 @@ def cache_dir() -> Path:
 def _model_key(path: str) -> str:
     """Identity of a model directory's contents: file names, sizes and modification times."""
     h = hashlib.sha256()
-    for f in sorted(Path(path).iterdir()):
+    files = [Path(path)] if Path(path).is_file() else sorted(Path(path).iterdir())
+    for f in files:
         if f.is_file():
             st = f.stat()
             h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
@@ -109,38 +110,72 @@ def reference_logits(ref_path: str, windows: np.ndarray, data_key: str) -> np.nd
     return np.load(path, mmap_mode="r")
 
 
-def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
-                   max_windows: int | None = None, device: str = "cpu", reference: str | None = None,
-                   torchao: str | None = None) -> dict:
-    """Perplexity of a model directory on a text source; with `reference`, also KL divergence and top-1
-    agreement against the reference's fp32 logits on the same windows, and the perplexity delta."""
-    from .calib_data import load_corpus, tokenize_corpus
-    from .checkpoint import load_checkpoint
+def tokenizers_match(a, b, sample: str) -> bool:
+    """Same ids for the same text and the same token strings: what makes two models' logits comparable."""
+    if a.tok.to_str() == b.tok.to_str():
+        return True
+    n = min(a.vocab_size, b.vocab_size)
+    if any(a.tok.id_to_token(i) != b.tok.id_to_token(i) for i in range(n)):
+        return False
+    return a.encode(sample) == b.encode(sample) and (a.bos_id, a.eos_id) == (b.bos_id, b.eos_id)
 
+
+def open_model(model_path: str, device: str = "cpu", torchao: str | None = None, kv_type: str = "f32",
+               ctx: int = 256, threads: int | None = None):
+    """(runner, tokenizer, backend name, extra) for a model directory (PyTorch) or a .gguf file (llama.cpp)."""
+    if str(model_path).lower().endswith(".gguf"):
+        from .gguf_file import open_reader, tokenizer_from_gguf
+        from .llama_runner import LlamaRunner
+        if torchao:
+            raise QuantgateError("--torchao applies to PyTorch model directories, not GGUF files")
+        tok = tokenizer_from_gguf(open_reader(model_path))
+        runner = LlamaRunner(model_path, n_ctx=max(ctx, 8), kv_type=kv_type, threads=threads)
+        return runner, tok, f"llama.cpp:{runner.info.file_type}", {"kv_type": kv_type, "gguf_bytes": runner.info.n_bytes}
+    from .checkpoint import load_checkpoint
     loaded = load_checkpoint(model_path)
     if loaded.tokenizer is None:
         raise QuantgateError(f"{model_path}: no tokenizer.json, cannot tokenize evaluation text")
-    split = default_split(data) if split == "auto" else split
-    corpus = load_corpus(data).split(split)
-    if not corpus.documents:
-        raise QuantgateError(f"{data}: the {split} split is empty")
-    stream = tokenize_corpus(corpus, loaded.tokenizer)
-    windows = eval_windows(stream.ids, ctx, loaded.tokenizer.bos_id, max_windows)
     model, backend = loaded.model, "torch"
     if torchao:
         from .torchao_backend import quantize_torchao_
         model, backend = quantize_torchao_(model, torchao, device), f"torchao:{torchao}"
-    runner = TorchRunner(model, device)
-    out = {"model": str(model_path), "backend": backend, "device": device, "data": str(data), "split": split,
-           "corpus_fingerprint": corpus.fingerprint}
-    if reference is None:
-        return {**out, **perplexity(runner, windows).to_dict()}
-    ref = load_checkpoint(reference, with_tokenizer=True)
-    if ref.tokenizer is not None and ref.tokenizer.tok.to_str() != loaded.tokenizer.tok.to_str():
-        raise QuantgateError(f"{reference} and {model_path} use different tokenizers: their logits do not compare")
-    ref_logits = reference_logits(reference, windows, f"{corpus.fingerprint}|{split}|{ctx}")
-    result = {**out, "reference": str(reference), **compare_to_reference(runner, ref_logits, windows)}
-    scheme = loaded.model.cfg.extra.get("quant_scheme")
+    return TorchRunner(model, device), loaded.tokenizer, backend, {"loaded": loaded}
+
+
+def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
+                   max_windows: int | None = None, device: str = "cpu", reference: str | None = None,
+                   torchao: str | None = None, kv_type: str = "f32", threads: int | None = None) -> dict:
+    """Perplexity of a model directory or GGUF file on a text source; with `reference`, also KL divergence
+    and top-1 agreement against the reference's fp32 PyTorch logits on the same windows, and the
+    perplexity delta."""
+    from .calib_data import load_corpus, tokenize_corpus
+    from .checkpoint import load_checkpoint
+
+    split = default_split(data) if split == "auto" else split
+    corpus = load_corpus(data).split(split)
+    if not corpus.documents:
+        raise QuantgateError(f"{data}: the {split} split is empty")
+    runner, tok, backend, extra = open_model(model_path, device, torchao, kv_type, ctx, threads)
+    try:
+        stream = tokenize_corpus(corpus, tok)
+        windows = eval_windows(stream.ids, ctx, tok.bos_id, max_windows)
+        out = {"model": str(model_path), "backend": backend, "device": device, "data": str(data), "split": split,
+               "corpus_fingerprint": corpus.fingerprint}
+        if "kv_type" in extra:
+            out.update(kv_type=extra["kv_type"], file_bytes=extra["gguf_bytes"])
+        if reference is None:
+            return {**out, **perplexity(runner, windows).to_dict()}
+        ref = load_checkpoint(reference, with_tokenizer=True)
+        sample = corpus.documents[0].text[:20000]
+        if ref.tokenizer is not None and not tokenizers_match(ref.tokenizer, tok, sample):
+            raise QuantgateError(f"{reference} and {model_path} use different tokenizers: their logits do not compare")
+        ref_logits = reference_logits(reference, windows, f"{corpus.fingerprint}|{split}|{ctx}")
+        result = {**out, "reference": str(reference), **compare_to_reference(runner, ref_logits, windows)}
+    finally:
+        if hasattr(runner, "close"):
+            runner.close()
+    loaded = extra.get("loaded")
+    scheme = loaded.model.cfg.extra.get("quant_scheme") if loaded else None
     if scheme and not torchao and scheme.get("smooth_alpha") is None:
         from .metrics import layer_sqnr
         result["layer_sqnr_db"] = layer_sqnr(ref.model, loaded.model, windows[:SQNR_WINDOWS])

@@ -1,0 +1,111 @@
+"""`quantgate generate`: stream text from a GGUF (llama.cpp) or a model directory (PyTorch, KV cache).
+
+The prompt is encoded without special tokens and BOS goes first, the convention of training and eval.
+Text is decoded incrementally as UTF-8, so a character split over two byte-level tokens prints whole.
+Prefill and decode speeds are reported separately: prefill is one batched pass over the prompt,
+decode one token per step.
+"""
+from __future__ import annotations
+
+import codecs
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from .errors import QuantgateError
+
+
+@dataclass
+class GenerateResult:
+    text: str
+    prompt_tokens: int
+    new_tokens: int
+    prefill_tps: float
+    decode_tps: float
+    backend: str
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _torch_tokens(model, ids: list[int], max_tokens: int, temperature: float, seed: int, eos: int,
+                  timing: dict) -> Iterator[int]:
+    g = torch.Generator().manual_seed(seed)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model(torch.tensor([ids]), past=[None] * model.cfg.n_layers, start_pos=0)  # empty cache
+        past, pos = out["past"], len(ids)
+        logits = out["logits"][0, -1]
+        timing["prefill_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        for n in range(max_tokens):
+            if temperature > 0:
+                tok = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g))
+            else:
+                tok = int(logits.argmax())
+            if tok == eos:
+                break
+            yield tok
+            if n + 1 == max_tokens or pos + 1 >= model.cfg.max_seq_len:
+                break
+            out = model(torch.tensor([[tok]]), past=past, start_pos=pos)
+            past, pos, logits = out["past"], pos + 1, out["logits"][0, -1]
+        timing["decode_s"] = time.perf_counter() - t1
+
+
+def generate(model_path: str, prompt: str, max_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
+             kv_type: str = "f16", threads: int | None = None,
+             on_text: Callable[[str], None] | None = None) -> GenerateResult:
+    """Generate from `prompt`, calling on_text(piece) as text arrives; returns the text and speeds."""
+    if max_tokens < 1:
+        raise QuantgateError("--max-tokens must be at least 1")
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pieces: list[str] = []
+
+    def emit(b: bytes) -> None:
+        s = decoder.decode(b)
+        if s:
+            pieces.append(s)
+            if on_text:
+                on_text(s)
+
+    if str(model_path).lower().endswith(".gguf"):
+        from .gguf_file import open_reader, tokenizer_from_gguf
+        from .llama_runner import LlamaRunner
+        tok = tokenizer_from_gguf(open_reader(model_path))
+        ids = [tok.bos_id] + tok.encode(prompt)
+        with LlamaRunner(model_path, n_ctx=len(ids) + max_tokens + 1, kv_type=kv_type, threads=threads,
+                         logits_all=False) as r:
+            for _tid, b in r.generate(ids, max_tokens, temperature, seed, stop_ids=(tok.eos_id,)):
+                emit(b)
+            st = r.last_stats
+            backend = f"llama.cpp:{r.info.file_type} (KV {kv_type})"
+        emit(b"")
+        return GenerateResult("".join(pieces), len(ids), st.generated_tokens, st.prefill_tps, st.decode_tps, backend)
+
+    from .checkpoint import load_checkpoint
+    loaded = load_checkpoint(model_path)
+    tok = loaded.tokenizer
+    if tok is None:
+        raise QuantgateError(f"{model_path}: no tokenizer.json, cannot encode the prompt")
+    if threads:
+        torch.set_num_threads(threads)
+    ids = [tok.bos_id] + tok.encode(prompt)
+    if len(ids) >= loaded.model.cfg.max_seq_len:
+        raise QuantgateError(f"the prompt has {len(ids)} tokens, the model's context is {loaded.model.cfg.max_seq_len}")
+    timing: dict = {}
+    new: list[int] = []
+    prev = ""
+    for t in _torch_tokens(loaded.model, ids, max_tokens, temperature, seed, tok.eos_id, timing):
+        new.append(t)
+        text = tok.decode(new)  # byte-level BPE: decode the whole tail, emit what is new
+        if not text.endswith("\ufffd"):
+            pieces.append(text[len(prev):])
+            if on_text:
+                on_text(text[len(prev):])
+            prev = text
+    n = len(new)
+    return GenerateResult("".join(pieces), len(ids), n, len(ids) / timing["prefill_s"],
+                          (n - 1) / timing["decode_s"] if n > 1 and timing.get("decode_s") else float("nan"), "torch")
