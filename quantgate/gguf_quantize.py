@@ -1,0 +1,171 @@
+"""Quantize a GGUF with llama.cpp's own quantizer (`llama_model_quantize`), gate-aware if asked.
+
+- `--type`: a llama.cpp file type (Q8_0 ... Q2_K); llama.cpp picks its usual per-tensor mixture.
+- `--imatrix auto`: an importance matrix computed here in PyTorch (per input column, mean of x^2 over
+  calibration tokens, keyed by GGUF tensor name: llama.cpp's imatrix convention) and handed to the
+  quantizer in memory. PyTorch computes it because the model is ours to run; llama.cpp's imatrix tool
+  would need a separate binary.
+- `--gate-bits 8`: `attn_q` (q and gate rows, fused in one tensor in qwen35) stays Q8_0 through a
+  per-tensor type override while everything else takes `--type`.
+
+llama.cpp runs in a child process (`python -m quantgate.gguf_quantize`): a malformed file may abort it.
+The output is written to a temporary file and renamed.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import QuantgateError
+from .fsio import atomic_path, check_not_input
+from .gguf_file import inspect_gguf
+
+# llama.cpp file types (enum llama_ftype) that `quantgate quantize` offers.
+FILE_TYPES = {
+    "F16": 1, "BF16": 32, "Q8_0": 7, "Q6_K": 18, "Q5_K_M": 17, "Q5_K_S": 16, "Q5_0": 8, "Q4_K_M": 15,
+    "Q4_K_S": 14, "Q4_0": 2, "IQ4_NL": 25, "IQ4_XS": 30, "Q3_K_M": 12, "Q3_K_S": 11, "Q3_K_L": 13,
+    "IQ3_S": 26, "IQ3_XXS": 23, "Q2_K": 10,
+}
+NEEDS_IMATRIX = ("IQ3_XXS",)  # llama.cpp refuses these without an importance matrix
+GGML_Q8_0 = 8  # enum ggml_type
+GATE_PATTERN = r"attn_q\.weight"  # regex over tensor names: q|gate rows (not attn_q_norm, not attn_qkv)
+
+
+def importance_matrix(model, windows: np.ndarray, batch: int = 4) -> dict[str, np.ndarray]:
+    """GGUF tensor name -> mean of x^2 per input column of that tensor's input, over every token."""
+    from quantgate.export.gguf import LINEAR_TO_GGUF
+
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    hooks = []
+
+    def hook_for(name):
+        def hook(_m, args):
+            x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+            sums[name] = sums.get(name, 0) + x.pow(2).sum(0)
+            counts[name] = counts.get(name, 0) + x.shape[0]
+        return hook
+
+    for mname, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Linear):
+            continue
+        if mname == "lm_head":
+            gname = "output.weight" if not model.cfg.tie_embeddings else None
+        elif mname.startswith("layers."):
+            i, _, rest = mname[len("layers."):].partition(".")
+            gname = f"blk.{i}.{LINEAR_TO_GGUF[rest]}" if rest != "self_attn.g_proj" else None
+        else:
+            gname = None
+        if gname:
+            hooks.append(mod.register_forward_pre_hook(hook_for(gname)))
+    try:
+        with torch.inference_mode():
+            for i in range(0, len(windows), batch):
+                model(torch.as_tensor(windows[i:i + batch]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return {k: (sums[k] / counts[k]).numpy().astype(np.float32) for k in sums}
+
+
+def quantize_gguf(src: str | Path, out: str | Path, qtype: str, imatrix: str | None = None, gate_bits: int | None = None,
+                  calib_data: str = "embedded", calib_windows: int = 32, ctx: int = 256, seed: int = 0,
+                  threads: int | None = None) -> dict:
+    """Quantize `src` (an F32/F16/BF16 GGUF) to `out`. Returns the tensor types and sizes of the result."""
+    qtype = qtype.upper()
+    if qtype not in FILE_TYPES:
+        raise QuantgateError(f"unknown GGUF type {qtype!r}; choose from {', '.join(FILE_TYPES)}")
+    if imatrix not in (None, "auto"):
+        raise QuantgateError(f"--imatrix must be 'auto' (computed from --calib-data), got {imatrix!r}")
+    if gate_bits not in (None, 8):
+        raise QuantgateError(f"--gate-bits must be 8, got {gate_bits}")
+    if qtype in NEEDS_IMATRIX and imatrix is None:
+        raise QuantgateError(f"{qtype} needs an importance matrix: add --imatrix auto")
+    src, out = Path(src), Path(out)
+    info = inspect_gguf(src)
+    if info.file_type not in ("F32", "F16", "BF16"):
+        raise QuantgateError(f"{src} is already quantized ({info.file_type}); quantize the F32/F16 export instead")
+    if gate_bits and info.arch != "qwen35":
+        raise QuantgateError(f"{src} has no attention gate (arch {info.arch}): --gate-bits applies to gated models")
+    check_not_input(out, src)
+
+    im = None
+    if imatrix == "auto":
+        from .checkpoint import load_checkpoint
+        from .quantize import calibration_windows
+        loaded = load_checkpoint(src)
+        windows = calibration_windows(loaded.tokenizer, calib_data, calib_windows, ctx, seed)
+        im = importance_matrix(loaded.model, windows)
+
+    request = {"src": str(src), "ftype": FILE_TYPES[qtype], "threads": threads or 0,
+               "overrides": [[GATE_PATTERN, GGML_Q8_0]] if gate_bits else []}
+    with atomic_path(out) as tmp, tempfile.TemporaryDirectory() as work:
+        request["dst"] = str(tmp)
+        if im is not None:
+            np.savez(Path(work) / "imatrix.npz", **im)
+            request["imatrix"] = str(Path(work) / "imatrix.npz")
+        (Path(work) / "request.json").write_text(json.dumps(request))
+        proc = subprocess.run([sys.executable, "-m", "quantgate.gguf_quantize", str(Path(work) / "request.json")],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            lines = [ln for ln in (proc.stderr or "").splitlines() if ln.strip()]
+            why = next((ln for ln in reversed(lines) if "error" in ln.lower() or "GGML_ASSERT" in ln),
+                       lines[-1] if lines else f"exit code {proc.returncode}")
+            raise QuantgateError(f"llama.cpp could not quantize {src} to {qtype}: {why.strip()[:200]}")
+        result = inspect_gguf(tmp)
+    counts: dict[str, int] = {}
+    for name, t in result.tensor_types.items():
+        counts[t] = counts.get(t, 0) + 1
+    return {"src": str(src), "out": str(out), "type": qtype, "imatrix": imatrix, "gate_bits": gate_bits,
+            "bytes": out.stat().st_size, "src_bytes": src.stat().st_size,
+            "bits_per_weight": round(result.bits_per_weight, 3), "tensor_type_counts": counts,
+            "attn_q_types": sorted({t for n, t in result.tensor_types.items() if n.endswith(".attn_q.weight")})}
+
+
+# --- child process ---------------------------------------------------------------------------------
+
+def _child(request_file: str) -> int:
+    """Build llama_model_quantize_params from the request and run llama.cpp's quantizer."""
+    import ctypes
+
+    import llama_cpp
+
+    req = json.loads(Path(request_file).read_text())
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = req["ftype"]
+    params.nthread = req["threads"]
+    keep = []  # ctypes buffers must outlive the call
+    if req["overrides"]:
+        arr = (llama_cpp.llama_model_tensor_override * (len(req["overrides"]) + 1))()
+        for i, (pattern, gtype) in enumerate(req["overrides"]):
+            arr[i].pattern = pattern.encode()
+            arr[i].type = gtype
+        arr[len(req["overrides"])].pattern = None
+        params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
+        keep.append(arr)
+    if req.get("imatrix"):
+        data = dict(np.load(req["imatrix"]))
+        arr = (llama_cpp.llama_model_imatrix_data * (len(data) + 1))()
+        for i, (name, values) in enumerate(data.items()):
+            buf = np.ascontiguousarray(values, dtype=np.float32)
+            keep.append(buf)
+            arr[i].name = name.encode()
+            arr[i].data = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            arr[i].size = buf.size
+        arr[len(data)].name = None
+        params.imatrix = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+        keep.append(arr)
+    rc = llama_cpp.llama_model_quantize(req["src"].encode(), req["dst"].encode(), ctypes.byref(params))
+    if rc != 0:
+        print(f"error: llama_model_quantize returned {rc}", file=sys.stderr)
+    return 0 if rc == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1]))
