@@ -91,7 +91,10 @@ def plot_reports(reports: dict[str, dict], out_dir: str | Path) -> list[Path]:
 
 
 def run_analyze(model: str, data: str, ctx: int, n_windows: int, split: str, seed: int,
-                compare: str | None = None, json_out: str | None = None, plots: str | None = None) -> dict:
+                compare: str | None = None, json_out: str | None = None, plots: str | None = None,
+                reference: str | None = None) -> dict:
+    """Outlier reports (MODEL may be a .gguf: it is dequantized); with `reference`, the gate-survival check
+    of MODEL's gate rows against the reference's (quantgate.gate_survival)."""
     reports = {Path(model).name or model: analyze(model, data, ctx, n_windows, split, seed)}
     if compare:
         name = Path(compare).name or compare
@@ -99,6 +102,9 @@ def run_analyze(model: str, data: str, ctx: int, n_windows: int, split: str, see
             name = f"{name} (compare)"
         reports[name] = analyze(compare, data, ctx, n_windows, split, seed)
     result = {"reports": reports}
+    if reference:
+        from .gate_survival import check_gate_survival
+        result["gate_survival"] = check_gate_survival(model, reference, data, min(n_windows, 8), ctx, seed)
     if json_out:
         write_json(json_out, result)
     if plots:

@@ -7,7 +7,14 @@ from .checkpoint import load_checkpoint
 def model_info(path: str) -> dict:
     loaded = load_checkpoint(path)
     cfg = loaded.model.cfg
-    return {
+    gguf = {}
+    if str(path).lower().endswith(".gguf"):
+        from .gguf_file import inspect_gguf
+        g = inspect_gguf(path)
+        gguf = {"gguf": {"arch": g.arch, "file_type": g.file_type, "bytes": g.n_bytes,
+                         "bits_per_weight": round(g.bits_per_weight, 3), "exported_gate": g.gate,
+                         "source_layout": g.source_layout, "identity_layers": g.n_blocks - g.n_layers}}
+    return {**gguf,
         "path": str(path), "layout": loaded.layout, "gate": cfg.gate,
         "params": loaded.model.num_params(),
         "dims": {"vocab": cfg.vocab_size, "dim": cfg.dim, "layers": cfg.n_layers, "heads": cfg.n_heads,

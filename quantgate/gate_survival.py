@@ -1,0 +1,87 @@
+"""Did the gate survive export and quantization? Compare an artifact's gate values with the float model's.
+
+The gate rows are read back from the artifact (GGUF tensors dequantized with gguf-py; ONNX initializers)
+and applied to the same calibration inputs X (the float model's normed layer inputs), so the only
+difference is what export and quantization did to W_g. Per layer: mean and max |sigmoid(X W_g') -
+sigmoid(X W_g)|, the fraction of gate values that crossed 0.5 (a gate that opened or closed), and the
+mean gate and fraction below 0.1 on both sides. A wrong row order in an exporter shows up here as a
+large difference even at F32.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .errors import QuantgateError
+
+
+def _gate_inputs(model, windows: np.ndarray) -> dict[int, torch.Tensor]:
+    """Layer -> X fed to g_proj (the normed layer input), [N, D], from the float model."""
+    xs: dict[int, list] = {}
+    hooks = []
+    for i, layer in enumerate(model.layers):
+        def hook(_m, args, i=i):
+            xs.setdefault(i, []).append(args[0].detach().float().reshape(-1, args[0].shape[-1]))
+        hooks.append(layer.self_attn.g_proj.register_forward_pre_hook(hook))
+    try:
+        with torch.inference_mode():
+            for k in range(0, len(windows), 4):
+                model(torch.as_tensor(windows[k:k + 4]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return {i: torch.cat(v) for i, v in xs.items()}
+
+
+def _elementwise_rows(w: torch.Tensor, cfg) -> torch.Tensor:
+    """Gate rows as one per attention output channel (a headwise gate repeats its row head_dim times)."""
+    return w.repeat_interleave(cfg.head_dim, dim=0) if cfg.gate == "headwise" else w
+
+
+def gate_survival(artifact_model, reference_model, windows: np.ndarray) -> dict:
+    """Per-layer comparison of the artifact's gate values with the reference's on the same inputs."""
+    ref_cfg, art_cfg = reference_model.cfg, artifact_model.cfg
+    if ref_cfg.gate == "none":
+        raise QuantgateError("the reference model has no attention gate: nothing to check")
+    if art_cfg.gate == "none":
+        raise QuantgateError("the artifact has no attention gate although its reference has one: the gate was lost")
+    if (ref_cfg.n_layers, ref_cfg.dim, ref_cfg.n_heads * ref_cfg.head_dim) != \
+            (art_cfg.n_layers, art_cfg.dim, art_cfg.n_heads * art_cfg.head_dim):
+        raise QuantgateError("the artifact's shape does not match the reference model's")
+    xs = _gate_inputs(reference_model, windows)
+    layers = []
+    for i, x in xs.items():
+        w_ref = reference_model.layers[i].self_attn.g_proj.weight.detach().float()
+        w_art = artifact_model.layers[i].self_attn.g_proj.weight.detach().float()
+        if ref_cfg.gate != art_cfg.gate:  # compare per channel
+            w_ref, w_art = _elementwise_rows(w_ref, ref_cfg), _elementwise_rows(w_art, art_cfg)
+        g_ref, g_art = torch.sigmoid(x @ w_ref.T), torch.sigmoid(x @ w_art.T)
+        d = (g_art - g_ref).abs()
+        layers.append({
+            "layer": i, "mean_abs_diff": float(d.mean()), "max_abs_diff": float(d.max()),
+            "frac_crossed_0.5": float(((g_ref > 0.5) != (g_art > 0.5)).float().mean()),
+            "gate_mean_ref": float(g_ref.mean()), "gate_mean_artifact": float(g_art.mean()),
+            "frac_below_0.1_ref": float((g_ref < 0.1).float().mean()),
+            "frac_below_0.1_artifact": float((g_art < 0.1).float().mean()),
+            "weight_rel_err": float((w_art - w_ref).norm() / w_ref.norm()),
+        })
+    worst = max(layers, key=lambda l: l["mean_abs_diff"])
+    return {"layers": layers, "tokens": int(next(iter(xs.values())).shape[0]),
+            "worst_layer": worst["layer"], "worst_mean_abs_diff": worst["mean_abs_diff"],
+            "max_frac_crossed_0.5": max(l["frac_crossed_0.5"] for l in layers)}
+
+
+def check_gate_survival(artifact: str, reference: str, data: str = "embedded", n_windows: int = 8, ctx: int = 256,
+                        seed: int = 0) -> dict:
+    """`quantgate analyze ARTIFACT --reference MODEL`: load both, draw calibration windows, compare."""
+    from .checkpoint import load_checkpoint
+    from .quantize import calibration_windows
+
+    ref = load_checkpoint(reference)
+    art = load_checkpoint(artifact)
+    if ref.tokenizer is None:
+        raise QuantgateError(f"{reference}: no tokenizer.json, cannot tokenize calibration text")
+    windows = calibration_windows(ref.tokenizer, data, n_windows, ctx, seed)
+    rep = gate_survival(art.model, ref.model, windows)
+    rep.update(artifact=str(artifact), reference=str(reference), windows=int(len(windows)), ctx=ctx)
+    return rep
