@@ -94,37 +94,111 @@ def train(out, resume, compile_, **kw):
 @click.option("--torchao", type=click.Choice(["int8-dynamic", "int4-weight"]), default=None,
               help="run with torchao's real integer kernels (int4-weight needs CUDA)")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
+@click.option("--kv-type", type=click.Choice(["f32", "f16", "q8_0", "q4_0"]), default="f32", show_default=True,
+              help="GGUF only: llama.cpp KV-cache type (f32 for parity; q8_0/q4_0 to study KV quantization)")
+@click.option("--threads", type=int, default=None, help="GGUF only: llama.cpp threads")
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
-def eval_cmd(model, data, ctx, split, max_windows, reference, torchao, device, as_json):
-    """Perplexity of MODEL: consecutive windows of ctx-1 tokens, BOS first, every token scored."""
+def eval_cmd(model, data, ctx, split, max_windows, reference, torchao, device, kv_type, threads, as_json):
+    """Perplexity of MODEL (a model directory, or a .gguf run by llama.cpp): consecutive windows of ctx-1
+    tokens, BOS first, every token scored. With --reference: KL divergence and top-1 agreement too."""
     from quantgate.evaluate import evaluate_model
     _emit(evaluate_model(model, data, ctx, split, max_windows, device=device, reference=reference,
-                         torchao=torchao), as_json)
+                         torchao=torchao, kv_type=kv_type, threads=threads), as_json)
+
+
+GGUF_TYPES_HELP = "Q8_0, Q6_K, Q5_K_M, Q5_K_S, Q5_0, Q4_K_M, Q4_K_S, Q4_0, IQ4_NL, IQ4_XS, Q3_K_M, Q3_K_S, Q3_K_L, " \
+                  "IQ3_S, IQ3_XXS, Q2_K, F16, BF16"
 
 
 @main.command()
 @click.argument("model", type=click.Path())
-@click.option("--backend", type=click.Choice(["torch"]), default="torch", show_default=True,
-              help="torch: fake-quantized weights and activations, evaluated by our PyTorch runner")
-@click.option("--scheme", required=True, help="w8a8-static[-sym|-pct|-sink], w8a8-smoothquant, w8a8-dynamic, "
+@click.option("--backend", type=click.Choice(["auto", "torch", "llama.cpp"]), default="auto", show_default=True,
+              help="auto: llama.cpp for a .gguf input, torch for a model directory (fake-quantized weights and "
+                   "activations, evaluated by our PyTorch runner)")
+@click.option("--scheme", default=None, help="torch: w8a8-static[-sym|-pct|-sink], w8a8-smoothquant, w8a8-dynamic, "
               "w8a16, kv-int8, kv-int4, w4a16-g32|g64|g128, w4a16-g32-gate8, w4a16-g32-qgate8, gptq-w4a16-g32|g128")
-@click.option("--out", required=True, type=click.Path(), help="output model directory")
+@click.option("--type", "qtype", default=None, help=f"llama.cpp: {GGUF_TYPES_HELP}")
+@click.option("--imatrix", type=click.Choice(["auto"]), default=None,
+              help="llama.cpp: importance matrix computed in PyTorch from --calib-data")
+@click.option("--gate-bits", type=click.Choice(["8"]), default=None,
+              help="llama.cpp: keep attn_q (q and gate rows) at Q8_0 while the rest takes --type")
+@click.option("--out", required=True, type=click.Path(), help="output model directory (torch) or .gguf file")
 @click.option("--calib-data", default="embedded", show_default=True,
               help="calibration text (the embedded corpus's valid split; never its test split)")
 @click.option("--calib-windows", default=32, show_default=True)
 @click.option("--ctx", default=256, show_default=True)
 @click.option("--seed", default=0, show_default=True)
-def quantize(model, backend, scheme, out, calib_data, calib_windows, ctx, seed):
-    """Quantize MODEL under a named scheme and write a loadable checkpoint that records the scheme."""
+@click.option("--threads", type=int, default=None, help="llama.cpp quantizer threads")
+def quantize(model, backend, scheme, qtype, imatrix, gate_bits, out, calib_data, calib_windows, ctx, seed, threads):
+    """Quantize MODEL: a model directory under a named PyTorch scheme (writes a loadable checkpoint that
+    records the scheme), or a .gguf with llama.cpp's own quantizer (--type)."""
+    if backend == "auto":
+        backend = "llama.cpp" if str(model).lower().endswith(".gguf") else "torch"
+    if backend == "llama.cpp":
+        if not qtype:
+            raise QuantgateError(f"--type is required for a GGUF ({GGUF_TYPES_HELP})")
+        if scheme:
+            raise QuantgateError("--scheme is for the torch backend; use --type for a GGUF")
+        from quantgate.gguf_quantize import quantize_gguf
+        _emit(quantize_gguf(model, out, qtype, imatrix, int(gate_bits) if gate_bits else None, calib_data,
+                            calib_windows, ctx, seed, threads), False)
+        return
+    if not scheme:
+        raise QuantgateError("--scheme is required for a model directory (see --help)")
+    if qtype or imatrix or gate_bits:
+        raise QuantgateError("--type, --imatrix and --gate-bits apply to GGUF files (llama.cpp)")
     from quantgate.quantize import quantize_checkpoint
     _emit(quantize_checkpoint(model, scheme, out, calib_data, calib_windows, ctx, seed), False)
+
+
+@main.group()
+def export():
+    """Export a model directory to a deployable format (GGUF for llama.cpp)."""
+
+
+@export.command("gguf")
+@click.argument("model", type=click.Path())
+@click.option("--out", required=True, type=click.Path(), help="output .gguf file")
+@click.option("--outtype", type=click.Choice(["f32", "f16", "bf16"]), default="f32", show_default=True,
+              help="type of the matrices (norms stay f32); quantize afterwards with `quantgate quantize`")
+def export_gguf_cmd(model, out, outtype):
+    """Write MODEL as a GGUF that stock llama.cpp runs: baseline -> qwen3; gated -> qwen35 with q and gate
+    interleaved in attn_q, so llama.cpp's own attention graph applies the gate."""
+    from quantgate.export.gguf import export_checkpoint
+    _emit(export_checkpoint(model, out, outtype), False)
+
+
+@main.command()
+@click.argument("model", type=click.Path())
+@click.option("--prompt", required=True, help="text to continue (BOS is put in front)")
+@click.option("--max-tokens", default=64, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True, help="0: greedy")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--kv-type", type=click.Choice(["f32", "f16", "q8_0", "q4_0"]), default="f16", show_default=True,
+              help="GGUF only: llama.cpp KV-cache type")
+@click.option("--threads", type=int, default=None)
+def generate(model, prompt, max_tokens, temperature, seed, kv_type, threads):
+    """Stream a continuation of --prompt from MODEL (a .gguf via llama.cpp, or a model directory), then
+    print prefill and decode speeds."""
+    from quantgate.generate import generate as run
+    from quantgate.progress import console
+
+    def show(piece: str) -> None:
+        click.echo(piece, nl=False)
+        sys.stdout.flush()
+
+    click.echo(prompt, nl=False)
+    res = run(model, prompt, max_tokens, temperature, seed, kv_type, threads, on_text=show)
+    click.echo("")
+    console.print(f"[{res.backend}] prompt {res.prompt_tokens} tokens: prefill {res.prefill_tps:.1f} tok/s; "
+                  f"{res.new_tokens} new tokens: decode {res.decode_tps:.1f} tok/s", markup=False, highlight=False)
 
 
 @main.command()
 @click.argument("model", type=click.Path())
 @click.option("--json", "as_json", is_flag=True)
 def info(model, as_json):
-    """Layout, gate mode, parameter count and dimensions of a model directory."""
+    """Layout, gate mode, parameter count and dimensions of a model directory or a .gguf file."""
     from quantgate.info import model_info
     _emit(model_info(model), as_json)
 
@@ -140,14 +214,19 @@ def info(model, as_json):
 @click.option("--compare", type=click.Path(), default=None, help="a second model (the twin) on the same windows")
 @click.option("--json", "json_out", type=click.Path(), default=None, help="write the full report here")
 @click.option("--plots", type=click.Path(), default=None, help="write PNG plots into this folder")
-def analyze(model, data, n_windows, ctx, split, seed, compare, json_out, plots):
-    """Massive activations, attention sinks, linear-input outliers and gate sparsity, per layer."""
+@click.option("--reference", type=click.Path(), default=None,
+              help="the float model MODEL was exported/quantized from: adds the gate-survival check")
+def analyze(model, data, n_windows, ctx, split, seed, compare, json_out, plots, reference):
+    """Massive activations, attention sinks, linear-input outliers and gate sparsity, per layer.
+
+    MODEL is a model directory or a .gguf (dequantized). With --reference, also checks that the gate
+    survived: the artifact's gate rows against the float model's, on the same inputs."""
     from rich.console import Console
     from rich.table import Table
 
     from quantgate.analyze import run_analyze
     from quantgate.progress import console
-    result = run_analyze(model, data, ctx, n_windows, split, seed, compare, json_out, plots)
+    result = run_analyze(model, data, ctx, n_windows, split, seed, compare, json_out, plots, reference)
     out = Console()
     for name, rep in result["reports"].items():
         t = Table(title=f"{name} ({rep['gate']}, {rep['windows']} windows x {rep['ctx']}; "
@@ -165,6 +244,16 @@ def analyze(model, data, n_windows, ctx, split, seed, compare, json_out, plots):
         worst = max(rep["linear_inputs"].items(), key=lambda kv: kv[1]["kurtosis"])
         out.print(f"highest linear-input kurtosis: {worst[0]} = {worst[1]['kurtosis']:.1f} "
                   f"(max |x| {worst[1]['max_abs']:.1f})")
+    if "gate_survival" in result:
+        gs = result["gate_survival"]
+        t = Table(title=f"gate survival: {model} vs {reference} ({gs['tokens']} tokens)")
+        for col in ("layer", "mean |dg|", "max |dg|", "crossed 0.5", "gate mean ref", "artifact", "W rel err"):
+            t.add_column(col, justify="right")
+        for l in gs["layers"]:
+            t.add_row(str(l["layer"]), f"{l['mean_abs_diff']:.2e}", f"{l['max_abs_diff']:.2e}",
+                      f"{l['frac_crossed_0.5']:.2%}", f"{l['gate_mean_ref']:.3f}", f"{l['gate_mean_artifact']:.3f}",
+                      f"{l['weight_rel_err']:.2e}")
+        out.print(t)
     for p in result.get("plots", []):
         console.print(f"plot: {p}")
     if json_out:

@@ -135,3 +135,98 @@ def test_output_over_input_refused(good_model):
     with pytest.raises(QuantgateError, match="overwrite the input"):
         save_checkpoint(loaded.model, good_model, loaded.tokenizer, inputs=(good_model,))
     assert dir_snapshot(good_model) == before
+
+
+# --- GGUF files (llama.cpp is never allowed to take the process down) -----------------------------
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+    import struct
+
+    from quantgate.checkpoint import save_checkpoint
+    from quantgate.export.gguf import export_checkpoint, export_gguf
+    from quantgate.model import build_model, preset
+    d = tmp_path_factory.mktemp("gguf")
+    tok = byte_tokenizer()
+    for gate in ("none", "elementwise"):
+        save_checkpoint(build_model(preset("tiny", vocab_size=300, gate=gate), seed=0), d / gate, tok)
+        export_checkpoint(d / gate, d / f"{gate}.gguf")
+    export_gguf(build_model(preset("tiny", vocab_size=300, gate="elementwise"), seed=0), tok, d / "aborts.gguf",
+                identity_layers=0)
+    good = (d / "elementwise.gguf").read_bytes()
+    n = struct.unpack("<Q", good[8:16])[0]
+    (d / "truncated.gguf").write_bytes(good[: len(good) // 2])
+    (d / "magic.gguf").write_bytes(b"GGUX" + good[4:])
+    (d / "arch.gguf").write_bytes(good.replace(b"qwen35", b"qwen99"))
+    (d / "count.gguf").write_bytes(good[:8] + struct.pack("<Q", n + 1) + good[16:])
+    (d / "count2.gguf").write_bytes(good[:8] + struct.pack("<Q", n - 1) + good[16:])
+    (d / "text.txt").write_text("hello world " * 300)
+    return d
+
+
+@pytest.mark.parametrize("name,needle", [("truncated", "truncated"), ("magic", "not a GGUF file"),
+                                         ("arch", "architecture 'qwen99' is not supported"),
+                                         ("count", "count.gguf: "), ("count2", "count2.gguf: ")])
+@pytest.mark.parametrize("verb", ["eval", "quantize", "generate"])
+def test_malformed_gguf_gives_one_line_and_no_output(gguf_files, tmp_path, name, needle, verb):
+    f = gguf_files / f"{name}.gguf"
+    before = f.read_bytes()
+    out = tmp_path / "out.gguf"
+    args = {"eval": ["eval", str(f), "--data", str(gguf_files / "text.txt"), "--ctx", "32"],
+            "quantize": ["quantize", str(f), "--type", "Q4_0", "--out", str(out)],
+            "generate": ["generate", str(f), "--prompt", "hi", "--max-tokens", "4"]}[verb]
+    assert_one_line_error(run_cli(*args), needle)
+    assert not out.exists() and list(tmp_path.iterdir()) == [] and f.read_bytes() == before
+
+
+def test_llama_cpp_abort_becomes_one_line(gguf_files):
+    """Passes every check, then llama.cpp asserts on decode: the CLI still ends with one error line."""
+    r = run_cli("generate", str(gguf_files / "aborts.gguf"), "--prompt", "hello", "--max-tokens", "4")
+    assert_one_line_error(r, "llama.cpp stopped")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--type", "Q9_K"], "unknown GGUF type 'Q9_K'"),
+    (["--type", "IQ3_XXS"], "needs an importance matrix"),
+    ([], "--type is required"),
+    (["--type", "Q4_0", "--scheme", "w8a8-static"], "--scheme is for the torch backend"),
+])
+def test_gguf_quantize_bad_options(gguf_files, tmp_path, args, needle):
+    out = tmp_path / "o.gguf"
+    assert_one_line_error(run_cli("quantize", str(gguf_files / "elementwise.gguf"), *args, "--out", str(out)), needle)
+    assert not out.exists()
+
+
+def test_gguf_quantize_refuses_requantizing_gate_bits_without_gate_and_overwriting(gguf_files, tmp_path):
+    q = tmp_path / "q.gguf"
+    assert run_cli("quantize", str(gguf_files / "none.gguf"), "--type", "Q8_0", "--out", str(q)).returncode == 0
+    assert_one_line_error(run_cli("quantize", str(q), "--type", "Q4_0", "--out", str(tmp_path / "r.gguf")),
+                          "already quantized")
+    assert_one_line_error(run_cli("quantize", str(gguf_files / "none.gguf"), "--type", "Q4_0", "--gate-bits", "8",
+                                  "--out", str(tmp_path / "g.gguf")), "has no attention gate")
+    src = gguf_files / "none.gguf"
+    before = src.read_bytes()
+    assert_one_line_error(run_cli("quantize", str(src), "--type", "Q4_0", "--out", str(src)), "would overwrite")
+    assert src.read_bytes() == before
+
+
+def test_gguf_export_bad_inputs(gguf_files, tmp_path):
+    from quantgate.checkpoint import save_checkpoint
+    from quantgate.model import build_model, preset
+    notok = tmp_path / "notok"
+    save_checkpoint(build_model(preset("tiny", vocab_size=300), seed=0), notok)
+    assert_one_line_error(run_cli("export", "gguf", str(notok), "--out", str(tmp_path / "x.gguf")),
+                          "must embed its tokenizer")
+    assert_one_line_error(run_cli("export", "gguf", str(gguf_files / "none.gguf"), "--out", str(tmp_path / "y.gguf")),
+                          "already a GGUF")
+    assert_one_line_error(run_cli("export", "gguf", str(gguf_files / "none"), "--out", "/proc/x.gguf"), "/proc")
+    assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "y.gguf").exists()
+
+
+def test_gguf_eval_refuses_a_reference_with_another_tokenizer(gguf_files, tmp_path):
+    other = tmp_path / "other"
+    make_hf_qwen3().save_pretrained(other)
+    train_bpe(["some other text entirely " * 50], 280).save(other)
+    r = run_cli("eval", str(gguf_files / "none.gguf"), "--data", str(gguf_files / "text.txt"), "--ctx", "32",
+                "--reference", str(other))
+    assert_one_line_error(r, "different tokenizers")
