@@ -60,10 +60,12 @@ class IdentityLayerShape:
 
     state = head_k_dim, inner = value width, heads = value heads (dt_rank), groups = key heads. Its MLP
     has the model's width: llama.cpp's qwen35 reads one feed_forward_length for all layers (a per-layer
-    array fails its shape check). Cost of each shape: benchmarks/results/gguf_identity_layer.json.
+    array fails its shape check). Measured on the small twins, 1 thread (benchmarks/results/gguf_twins.md):
+    256x256 (DESIGN's first choice) costs +27% prefill / +24% decode time, 32x32 +13% / +17%, 1x1 +4% / +7%,
+    so the default is 1x1; its few 1-wide rows stay unquantized, which costs nothing measurable.
     """
-    state: int = 256
-    inner: int = 256
+    state: int = 1
+    inner: int = 1
     heads: int = 1
     groups: int = 1
     conv_kernel: int = 4
