@@ -108,10 +108,11 @@ class RMSNorm(nn.Module):
 
 
 def rope_cache(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape [T, rotary_dim] in NEOX (rotate-half) order, computed in fp32."""
+    """cos/sin of shape [T, rotary_dim] (or [B, T, rotary_dim] for [B, T] positions) in NEOX (rotate-half)
+    order, computed in fp32."""
     r = cfg.rotary_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32, device=positions.device) / r))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -122,7 +123,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x_rot, x_pass = x[..., :r], x[..., r:]
     x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
     rotated = torch.cat([-x2, x1], dim=-1)
-    c, s = cos[None, :, None, :].to(x.dtype), sin[None, :, None, :].to(x.dtype)
+    if cos.dim() == 2:  # [T, r]: the same positions for every row
+        cos, sin = cos[None], sin[None]
+    c, s = cos[:, :, None, :].to(x.dtype), sin[:, :, None, :].to(x.dtype)
     return torch.cat([x_rot * c + rotated * s, x_pass], dim=-1)
 
 
@@ -139,16 +142,31 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.kv_bits: int | None = None  # set by KV-cache quantization schemes: k, v rounded per token and head
+        self.qg_proj: nn.Linear | None = None  # set by fuse_qg(): q and gate rows in one matmul (export)
 
-    def forward(self, x, cos, sin, past=None, probe=False):
-        """x: normed layer input [B, T, D]. past: (k, v) each [B, KV, P, hd] or None.
+    def fuse_qg(self) -> None:
+        """One Linear for q and gate rows ([q; g]), as Qwen3-Next computes them; for exported graphs."""
+        if self.g_proj is None or self.qg_proj is not None:
+            return
+        w = torch.cat([self.q_proj.weight, self.g_proj.weight], dim=0)
+        self.qg_proj = nn.Linear(w.shape[1], w.shape[0], bias=False).to(w.device, w.dtype)
+        self.qg_proj.weight = nn.Parameter(w.detach().clone(), requires_grad=False)
+
+    def forward(self, x, cos, sin, past=None, probe=False, key_mask=None):
+        """x: normed layer input [B, T, D]. past: (k, v) each [B, KV, P, hd] or None. key_mask: [B, P+T]
+        (1 = attend, 0 = padding) or None.
 
         Returns (out, present_kv, attn_probs or None). `probe=True` computes attention explicitly so
         the probabilities can be returned (analysis path); otherwise SDPA does the work.
         """
         cfg = self.cfg
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, cfg.n_heads, cfg.head_dim)
+        g = None
+        if self.qg_proj is not None:
+            q, g = self.qg_proj(x).split([cfg.n_heads * cfg.head_dim, cfg.gate_dim], dim=-1)
+            q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)
+        else:
+            q = self.q_proj(x).view(B, T, cfg.n_heads, cfg.head_dim)
         k = self.k_proj(x).view(B, T, cfg.n_kv_heads, cfg.head_dim)
         v = self.v_proj(x).view(B, T, cfg.n_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
@@ -171,6 +189,11 @@ class Attention(nn.Module):
             scores = scores.masked_fill(~mask, float("-inf"))
             probs = scores.softmax(dim=-1)
             y = (probs @ vv.float()).to(q.dtype)
+        elif key_mask is not None:  # exported graphs: causal (offset by the cache) and padding in one mask
+            q_pos = torch.arange(T, device=x.device) + P
+            causal = torch.arange(P + T, device=x.device)[None, :] <= q_pos[:, None]
+            mask = causal[None, None] & key_mask[:, None, None, :].bool()
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         elif P == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
@@ -178,9 +201,10 @@ class Attention(nn.Module):
             mask = torch.ones(T, P + T, dtype=torch.bool, device=x.device).tril(P)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         y = y.transpose(1, 2)  # [B, T, H, hd]
-        if self.g_proj is not None:
-            g = torch.sigmoid(self.g_proj(x)).view(B, T, cfg.n_heads, -1)  # -1: 1 (headwise) or hd
-            y = y * g
+        if g is None and self.g_proj is not None:
+            g = self.g_proj(x)
+        if g is not None:
+            y = y * torch.sigmoid(g).view(B, T, cfg.n_heads, -1)  # -1: 1 (headwise) or hd
         return self.o_proj(y.reshape(B, T, -1)), present, probs
 
 
@@ -203,8 +227,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, cos, sin, past=None, probe=False):
-        a, present, probs = self.self_attn(self.input_layernorm(h), cos, sin, past, probe)
+    def forward(self, h, cos, sin, past=None, probe=False, key_mask=None):
+        a, present, probs = self.self_attn(self.input_layernorm(h), cos, sin, past, probe, key_mask)
         h = h + a
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, present, probs
@@ -234,20 +258,23 @@ class Model(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) * std)
 
     def forward(self, idx: torch.Tensor, past=None, start_pos: int = 0, probe: bool = False,
-                return_hidden: bool = False, on_layer=None):
+                return_hidden: bool = False, on_layer=None, position_ids: torch.Tensor | None = None,
+                key_mask: torch.Tensor | None = None):
         """idx: [B, T] token ids. Returns logits [B, T, V] (fp32) or a dict when past/probe/hidden is used.
 
         past: list of per-layer (k, v) from an earlier call (generation); start_pos: its length.
         on_layer(i, h, probs): called after each block with its output (and attention probabilities when
         probe=True) instead of collecting them, so analysis holds one layer's tensors at a time.
+        position_ids [B, T] and key_mask [B, P+T] (exported graphs) replace start_pos and the implicit mask.
         """
         B, T = idx.shape
-        positions = torch.arange(start_pos, start_pos + T, device=idx.device)
+        positions = position_ids if position_ids is not None else \
+            torch.arange(start_pos, start_pos + T, device=idx.device)
         cos, sin = rope_cache(self.cfg, positions)
         h = self.embed_tokens(idx)
         presents, probs, hidden = [], [], []
         for i, layer in enumerate(self.layers):
-            h, present, p = layer(h, cos, sin, None if past is None else past[i], probe)
+            h, present, p = layer(h, cos, sin, None if past is None else past[i], probe, key_mask)
             presents.append(present)
             if on_layer is not None:
                 on_layer(i, h, p)
