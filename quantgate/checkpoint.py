@@ -233,11 +233,16 @@ def write_state_dict(model: Model, layout: Layout) -> dict[str, torch.Tensor]:
 # --- public API ------------------------------------------------------------------------------------
 
 def load_checkpoint(path: str | Path, with_tokenizer: bool = True) -> Loaded:
-    """Load any supported layout into our Model (fp32, eval mode); a .gguf file is dequantized."""
+    """Load any supported layout into our Model (fp32, eval mode); a .gguf file or an ONNX export is
+    dequantized."""
     path = Path(path)
     if path.suffix.lower() == ".gguf":  # a GGUF file: dequantized into our model (quantgate.gguf_file)
         from .gguf_file import load_gguf_model
         return load_gguf_model(path)
+    from .onnx_weights import is_onnx
+    if is_onnx(path):  # an exported ONNX directory: dequantized likewise (quantgate.onnx_weights)
+        from .onnx_weights import load_onnx_model
+        return load_onnx_model(path)
     if not path.exists():
         raise QuantgateError(f"model directory {path} does not exist")
     if not path.is_dir():

@@ -122,7 +122,8 @@ def tokenizers_match(a, b, sample: str) -> bool:
 
 def open_model(model_path: str, device: str = "cpu", torchao: str | None = None, kv_type: str = "f32",
                ctx: int = 256, threads: int | None = None):
-    """(runner, tokenizer, backend name, extra) for a model directory (PyTorch) or a .gguf file (llama.cpp)."""
+    """(runner, tokenizer, backend name, extra) for a model directory (PyTorch), a .gguf file (llama.cpp) or an
+    ONNX export (ONNX Runtime)."""
     if str(model_path).lower().endswith(".gguf"):
         from .gguf_file import open_reader, tokenizer_from_gguf
         from .llama_runner import LlamaRunner
@@ -131,6 +132,18 @@ def open_model(model_path: str, device: str = "cpu", torchao: str | None = None,
         tok = tokenizer_from_gguf(open_reader(model_path))
         runner = LlamaRunner(model_path, n_ctx=max(ctx, 8), kv_type=kv_type, threads=threads)
         return runner, tok, f"llama.cpp:{runner.info.file_type}", {"kv_type": kv_type, "gguf_bytes": runner.info.n_bytes}
+    from .onnx_weights import is_onnx
+    if is_onnx(model_path):
+        from .ort_runner import OrtRunner, read_meta, resolve_onnx
+        from .tokenizer import load_tokenizer
+        if torchao:
+            raise QuantgateError("--torchao applies to PyTorch model directories, not ONNX exports")
+        _, model_dir = resolve_onnx(model_path)
+        meta = read_meta(model_dir)
+        tok = load_tokenizer(model_dir, meta.get("bos_id"), meta.get("eos_id"))
+        runner = OrtRunner(model_path, device, threads)
+        scheme = (meta.get("quantization") or {}).get("scheme") or meta.get("dtype", "fp32")
+        return runner, tok, f"onnxruntime:{scheme}", {"onnx_bytes": runner.path.stat().st_size}
     from .checkpoint import load_checkpoint
     loaded = load_checkpoint(model_path)
     if loaded.tokenizer is None:
@@ -163,6 +176,8 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
                "corpus_fingerprint": corpus.fingerprint}
         if "kv_type" in extra:
             out.update(kv_type=extra["kv_type"], file_bytes=extra["gguf_bytes"])
+        if "onnx_bytes" in extra:
+            out.update(file_bytes=extra["onnx_bytes"])
         if reference is None:
             return {**out, **perplexity(runner, windows).to_dict()}
         ref = load_checkpoint(reference, with_tokenizer=True)

@@ -1,4 +1,5 @@
-"""`quantgate generate`: stream text from a GGUF (llama.cpp) or a model directory (PyTorch, KV cache).
+"""`quantgate generate`: stream text from a GGUF (llama.cpp), an ONNX export (ONNX Runtime) or a model
+directory (PyTorch), each with its KV cache.
 
 The prompt is encoded without special tokens and BOS goes first, the convention of training and eval.
 Text is decoded incrementally as UTF-8, so a character split over two byte-level tokens prints whole.
@@ -55,6 +56,18 @@ def _torch_tokens(model, ids: list[int], max_tokens: int, temperature: float, se
         timing["decode_s"] = time.perf_counter() - t1
 
 
+def _emit_tail(tok, new: list[int], prev: str, pieces: list[str], on_text) -> str:
+    """Byte-level BPE: decode all new tokens, emit what was not emitted yet, hold back a split character."""
+    text = tok.decode(new)
+    if text.endswith("\ufffd") or not text.startswith(prev):
+        return prev
+    if len(text) > len(prev):
+        pieces.append(text[len(prev):])
+        if on_text:
+            on_text(text[len(prev):])
+    return text
+
+
 def generate(model_path: str, prompt: str, max_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
              kv_type: str = "f16", threads: int | None = None,
              on_text: Callable[[str], None] | None = None) -> GenerateResult:
@@ -85,6 +98,25 @@ def generate(model_path: str, prompt: str, max_tokens: int = 64, temperature: fl
         emit(b"")
         return GenerateResult("".join(pieces), len(ids), st.generated_tokens, st.prefill_tps, st.decode_tps, backend)
 
+    from .onnx_weights import is_onnx
+    if is_onnx(model_path):
+        from .ort_runner import OrtRunner, read_meta, resolve_onnx
+        from .tokenizer import load_tokenizer
+        _, model_dir = resolve_onnx(model_path)
+        meta = read_meta(model_dir)
+        tok = load_tokenizer(model_dir, meta.get("bos_id"), meta.get("eos_id"))
+        ids = [tok.bos_id] + tok.encode(prompt)
+        with OrtRunner(model_path, threads=threads) as r:
+            new: list[int] = []
+            prev = ""
+            for t in r.generate(ids, max_tokens, temperature, seed, stop_ids=(tok.eos_id,)):
+                new.append(t)
+                prev = _emit_tail(tok, new, prev, pieces, on_text)
+            pre_s, dec_s, n = r.last_stats
+        scheme = (meta.get("quantization") or {}).get("scheme") or meta.get("dtype", "fp32")
+        return GenerateResult("".join(pieces), len(ids), n, len(ids) / pre_s,
+                              (n - 1) / dec_s if n > 1 and dec_s > 0 else float("nan"), f"onnxruntime:{scheme}")
+
     from .checkpoint import load_checkpoint
     loaded = load_checkpoint(model_path)
     tok = loaded.tokenizer
@@ -100,12 +132,7 @@ def generate(model_path: str, prompt: str, max_tokens: int = 64, temperature: fl
     prev = ""
     for t in _torch_tokens(loaded.model, ids, max_tokens, temperature, seed, tok.eos_id, timing):
         new.append(t)
-        text = tok.decode(new)  # byte-level BPE: decode the whole tail, emit what is new
-        if not text.endswith("\ufffd"):
-            pieces.append(text[len(prev):])
-            if on_text:
-                on_text(text[len(prev):])
-            prev = text
+        prev = _emit_tail(tok, new, prev, pieces, on_text)
     n = len(new)
     return GenerateResult("".join(pieces), len(ids), n, len(ids) / timing["prefill_s"],
                           (n - 1) / timing["decode_s"] if n > 1 and timing.get("decode_s") else float("nan"), "torch")

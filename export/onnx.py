@@ -1,0 +1,177 @@
+"""Export to ONNX: a decoder with an explicit KV cache that ONNX Runtime runs, and optimum loads.
+
+torch.onnx.export (dynamo) traces our own model through a thin wrapper whose positional inputs are
+optimum's names: input_ids, attention_mask, position_ids, past_key_values.{i}.key/value; outputs logits
+and present.{i}.key/value. The gated twin's q and gate rows go through one fused MatMul (`qg_proj`, as
+Qwen3-Next computes them); at opset 23 SDPA becomes the ONNX `Attention` op (GQA native) and the gate a
+Sigmoid and Mul on its output before o_proj, since no ONNX or ORT attention op takes an output gate
+(DESIGN section 4). Opset 18 is the fallback for older runtimes (attention decomposed).
+
+Beside model.onnx: config.json (the HF config of the layout the twin is saved in), tokenizer files,
+generation_config.json and quantgate.json (what was exported, how), so optimum's ORTModelForCausalLM
+opens the baseline and our runner opens every export.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from quantgate import __version__
+from quantgate.errors import QuantgateError
+from quantgate.fsio import atomic_dir, check_not_input
+from quantgate.model import Model
+
+OPSETS = (23, 18)
+DTYPES = ("fp32", "fp16")
+GRAPHS = ("standard",)
+
+
+def io_names(n_layers: int) -> tuple[list[str], list[str]]:
+    past = [f"past_key_values.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+    present = [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+    return ["input_ids", "attention_mask", "position_ids", *past], ["logits", *present]
+
+
+class DecoderWithPast(nn.Module):
+    """(input_ids, attention_mask, position_ids, *past k/v) -> (logits, *present k/v), tensors only."""
+
+    def __init__(self, model: Model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids, *past_flat):
+        L = self.model.cfg.n_layers
+        past = [(past_flat[2 * i], past_flat[2 * i + 1]) for i in range(L)]
+        out = self.model(input_ids, past=past, position_ids=position_ids, key_mask=attention_mask)
+        flat = [t for kv in out["past"] for t in kv]
+        return (out["logits"], *flat)
+
+
+def example_inputs(cfg, batch: int = 2, seq: int = 3, past: int = 4) -> tuple:
+    """Example tensors with every dynamic dimension >= 2 (1 would be specialised by the exporter)."""
+    ids = torch.randint(3, cfg.vocab_size, (batch, seq))
+    mask = torch.ones(batch, past + seq, dtype=torch.int64)
+    pos = torch.arange(past, past + seq).expand(batch, seq).contiguous()
+    kv = [torch.randn(batch, cfg.n_kv_heads, past, cfg.head_dim) for _ in range(2 * cfg.n_layers)]
+    return (ids, mask, pos, *kv)
+
+
+def trace_to_onnx(model: Model, path: Path, opset: int = 23, dtype: str = "fp32") -> None:
+    """torch.onnx.export (dynamo) of a fused copy of `model` to `path`."""
+    import onnx
+    from torch.export import Dim
+
+    m = copy.deepcopy(model).eval()
+    for layer in m.layers:
+        layer.self_attn.fuse_qg()  # q_proj/g_proj stay but are not traced: only qg_proj is used
+    cfg = m.cfg
+    args = example_inputs(cfg)
+    batch, seq, past = Dim("batch", min=1, max=1024), Dim("sequence_length", min=1, max=cfg.max_seq_len), \
+        Dim("past_sequence_length", min=0, max=cfg.max_seq_len)
+    total = Dim("total_sequence_length", min=1, max=2 * cfg.max_seq_len)
+    shapes = ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: seq},  # *past_flat is one nested entry:
+              tuple({0: batch, 2: past} for _ in range(2 * cfg.n_layers)))
+    names_in, names_out = io_names(cfg.n_layers)
+    import logging
+    import warnings
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # e.g. "torchvision is not installed"
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = torch.onnx.export(DecoderWithPast(m), args, dynamo=True, opset_version=opset,
+                                 input_names=names_in, output_names=names_out, dynamic_shapes=shapes,
+                                 optimize=True, verbose=False)
+    prog.save(str(path))
+    graph = onnx.load(str(path))
+    name_linear_weights(graph)
+    onnx.checker.check_model(graph)
+    if dtype == "fp16":
+        # ORT's converter (weights and compute in fp16; inputs, outputs and the KV cache stay fp32, as
+        # optimum's fp16 exports do). Tracing a half-precision module instead leaves fp32 rope constants
+        # that ORT refuses to multiply with fp16 tensors.
+        from onnxruntime.transformers.float16 import convert_float_to_float16
+        graph = convert_float_to_float16(graph, keep_io_types=True)  # its node order upsets the checker, not ORT
+    onnx.save(graph, str(path))
+
+
+def name_linear_weights(model) -> None:
+    """Give every Linear's MatMul and its (pre-transposed) weight the module's name, e.g.
+    `model.layers.0.self_attn.qg_proj.MatMul` and `...qg_proj.weight_T`, so quantizers, the gate-survival
+    check and people reading the graph can find them (the exporter's constant folding leaves `val_30`).
+    Drops the exporter's per-node stack traces (they hold local paths)."""
+    inits = {i.name: i for i in model.graph.initializer}
+    uses: dict[str, int] = {}
+    for n in model.graph.node:
+        for x in n.input:
+            uses[x] = uses.get(x, 0) + 1
+    renames = {}
+    for n in model.graph.node:
+        props = {p.key: p.value for p in n.metadata_props}
+        for p in [p for p in n.metadata_props if p.key == "pkg.torch.onnx.stack_trace"]:
+            n.metadata_props.remove(p)
+        if n.op_type != "MatMul" or "pkg.torch.onnx.name_scopes" not in props:
+            continue
+        scopes = [x.strip(" '") for x in props["pkg.torch.onnx.name_scopes"].strip("[]").split(",")]
+        module = next((x for x in reversed(scopes) if x.endswith(("_proj", "lm_head"))), None)
+        if module is None:
+            continue
+        n.name = f"{module}.MatMul"
+        b = n.input[1]
+        if b in inits and uses.get(b) == 1:
+            renames[b] = f"{module}.weight_T"
+    for old, new in renames.items():
+        inits[old].name = new
+        for n in model.graph.node:
+            n.input[:] = [new if x == old else x for x in n.input]
+
+
+def export_onnx(model: Model, tokenizer, out_dir: str | Path, opset: int = 23, graph: str = "standard",
+                dtype: str = "fp32", layout: str | None = None, source: str = "", inputs: tuple = ()) -> Path:
+    """Write `out_dir` (atomically): model.onnx, config.json, tokenizer, generation_config.json, quantgate.json."""
+    from quantgate.checkpoint import config_to_hf
+    from quantgate.layouts import DEFAULT_LAYOUT_FOR_GATE, LAYOUTS
+
+    cfg = model.cfg
+    if opset not in OPSETS:
+        raise QuantgateError(f"unsupported --opset {opset}; choose from {', '.join(map(str, OPSETS))}")
+    if graph not in GRAPHS:
+        raise QuantgateError(f"unknown --graph {graph!r}; choose from {', '.join(GRAPHS)}")
+    if dtype not in DTYPES:
+        raise QuantgateError(f"unknown --dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    if "quant_scheme" in cfg.extra:
+        raise QuantgateError("this model carries a simulated PyTorch quantization scheme; export the float model and "
+                             "quantize the ONNX file with `quantgate quantize DIR/model.onnx --scheme ...`")
+    out_dir = Path(out_dir)
+    check_not_input(out_dir, *inputs)
+    lay = LAYOUTS[layout if layout in LAYOUTS else DEFAULT_LAYOUT_FOR_GATE[cfg.gate]]
+    with atomic_dir(out_dir) as tmp:
+        trace_to_onnx(model, tmp / "model.onnx", opset, dtype)
+        hf = config_to_hf(cfg, lay)
+        hf["use_cache"] = True
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        gen = {"bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "pad_token_id": cfg.pad_id}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        meta = {"quantgate_version": __version__, "format": "onnx", "opset": opset, "graph": graph, "dtype": dtype,
+                "gate": cfg.gate, "source": str(source), "source_layout": layout or "", "n_layers": cfg.n_layers,
+                "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
+                "bos_id": cfg.bos_id, "eos_id": cfg.eos_id, "quantization": None}
+        (tmp / "quantgate.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return out_dir
+
+
+def export_checkpoint(model_path: str | Path, out_dir: str | Path, opset: int = 23, graph: str = "standard",
+                      dtype: str = "fp32") -> dict:
+    """`quantgate export onnx`: load any layout the loader reads (or a GGUF) and write the ONNX directory."""
+    from quantgate.checkpoint import load_checkpoint
+
+    loaded = load_checkpoint(model_path)
+    export_onnx(loaded.model, loaded.tokenizer, out_dir, opset, graph, dtype, layout=loaded.layout,
+                source=str(model_path), inputs=(model_path,))
+    size = (Path(out_dir) / "model.onnx").stat().st_size
+    return {"model": str(model_path), "out": str(out_dir), "gate": loaded.model.cfg.gate, "opset": opset,
+            "graph": graph, "dtype": dtype, "bytes": size}

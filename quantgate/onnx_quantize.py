@@ -1,0 +1,146 @@
+"""Quantize an exported ONNX decoder with onnxruntime.quantization, in the settings DESIGN section 4 found.
+
+| scheme       | ORT tool                                   | weights              | activations          |
+|--------------|--------------------------------------------|----------------------|----------------------|
+| int8-dynamic | quantize_dynamic (MatMulConstBOnly)        | int8 per tensor      | uint8, per call      |
+| int8-static  | quantize_static, QDQ, MinMax calibration   | int8 per channel     | uint8, calibrated    |
+| int8-weight  | MatMulNBitsQuantizer bits=8                | int8 blocks          | float                |
+| int4         | MatMulNBitsQuantizer bits=4                | int4 blocks          | float                |
+
+MatMulNBits always gets accuracy_level=4 (int8 activations inside the kernel on CPU: without it, int4
+prefill is slower than fp32). `gate_bits=8` with int4 keeps the fused q|gate MatMul of every layer at 8
+bits. Static calibration feeds prefill windows and single-token decode steps on a cache, both drawn
+from `calib_data` (QUInt8 activations: QInt8 gives an invalid model at opset 23).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .errors import QuantgateError
+from .fsio import atomic_dir, check_not_input
+from .ort_runner import OrtRunner, check_graph, read_meta, resolve_onnx
+
+SCHEMES = ("int8-dynamic", "int8-static", "int8-weight", "int4")
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def gate_matmuls(model) -> list[str]:
+    """Names of the MatMul nodes of the fused q|gate projections (`...qg_proj.MatMul`), one per gated layer."""
+    return [n.name for n in model.graph.node if n.op_type == "MatMul" and ".qg_proj." in n.name]
+
+
+class _Calibration:
+    """onnxruntime CalibrationDataReader: prefill windows (empty cache), then one decode step per window."""
+
+    def __init__(self, runner: OrtRunner, windows: np.ndarray):
+        feeds = []
+        for w in windows:
+            ids = w[None, :-1]
+            past = runner._empty_past(1)
+            feeds.append({"input_ids": ids, "attention_mask": np.ones_like(ids),
+                          "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None], **past})
+            _, present = runner.step(ids, past, 0)
+            P = ids.shape[1]
+            feeds.append({"input_ids": w[None, -1:], "attention_mask": np.ones((1, P + 1), dtype=np.int64),
+                          "position_ids": np.array([[P]], dtype=np.int64), **present})
+        self._it = iter(feeds)
+
+    def get_next(self):
+        return next(self._it, None)
+
+
+def _weight_only(src: Path, dst: Path, bits: int, block_size: int, include=None, exclude=None) -> None:
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    q = MatMulNBitsQuantizer(onnx.load(str(src)), bits=bits, block_size=block_size, is_symmetric=True,
+                             accuracy_level=4, nodes_to_include=include, nodes_to_exclude=exclude or [])
+    q.process()
+    onnx.save(q.model.model, str(dst))
+
+
+def quantize_onnx(src: str | Path, out_dir: str | Path, scheme: str, gate_bits: int | None = None,
+                  block_size: int = 32, calib_data: str = "embedded", calib_windows: int = 16, ctx: int = 128,
+                  seed: int = 0) -> dict:
+    """Quantize the ONNX decoder at `src` (a directory or model.onnx) into `out_dir`. Returns a summary."""
+    if scheme not in SCHEMES:
+        raise QuantgateError(f"unknown ONNX scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
+    if gate_bits not in (None, 8):
+        raise QuantgateError(f"--gate-bits must be 8, got {gate_bits}")
+    if gate_bits and scheme != "int4":
+        raise QuantgateError(f"--gate-bits 8 applies to int4 (the {scheme} gate rows are 8-bit already)")
+    if block_size not in (16, 32, 64, 128, 256):
+        raise QuantgateError(f"--block-size must be 16, 32, 64, 128 or 256, got {block_size}")
+    path, model_dir = resolve_onnx(src)
+    graph, _ = check_graph(path)
+    meta = read_meta(model_dir)
+    if meta.get("quantization"):
+        raise QuantgateError(f"{path} is already quantized ({meta['quantization']['scheme']}); start from the fp32 export")
+    if meta.get("dtype") == "fp16":
+        raise QuantgateError(f"{path} is an fp16 export; quantize the fp32 export")
+    gates = gate_matmuls(graph)
+    if gate_bits and not gates:
+        raise QuantgateError(f"{path} has no fused q|gate projection: --gate-bits applies to gated models")
+    out_dir = Path(out_dir)
+    check_not_input(out_dir, model_dir)
+
+    windows = None
+    if scheme == "int8-static":
+        from .quantize import calibration_windows
+        from .tokenizer import load_tokenizer
+        tok = load_tokenizer(model_dir, meta.get("bos_id"), meta.get("eos_id"))
+        windows = calibration_windows(tok, calib_data, calib_windows, ctx, seed)
+
+    root = logging.getLogger()  # ORT's quantizers log advice to the root logger; keep stderr for errors
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        _run(path, out_dir, scheme, gate_bits, block_size, gates, windows, model_dir, meta)
+    finally:
+        root.setLevel(level)
+    size = (out_dir / "model.onnx").stat().st_size
+    return {"src": str(path), "out": str(out_dir), "scheme": scheme, "gate_bits": gate_bits, "block_size": block_size,
+            "bytes": size, "src_bytes": path.stat().st_size, "gate_matmuls": len(gates)}
+
+
+def _run(path: Path, out_dir: Path, scheme: str, gate_bits, block_size: int, gates: list[str], windows, model_dir: Path,
+         meta: dict) -> None:
+    import onnx
+    from onnxruntime.quantization import (CalibrationMethod, QuantFormat, QuantType, quantize_dynamic,
+                                          quantize_static)
+
+    with atomic_dir(out_dir) as tmp, tempfile.TemporaryDirectory() as work:
+        dst = tmp / "model.onnx"
+        if scheme == "int8-dynamic":
+            quantize_dynamic(str(path), str(dst), op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8,
+                             extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT})
+        elif scheme == "int8-static":
+            with OrtRunner(path) as runner:
+                reader = _Calibration(runner, windows)
+            quantize_static(str(path), str(dst), reader, quant_format=QuantFormat.QDQ,
+                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True,
+                            op_types_to_quantize=["MatMul"], calibrate_method=CalibrationMethod.MinMax,
+                            extra_options={"MatMulConstBOnly": True})
+        elif scheme == "int8-weight":
+            _weight_only(path, dst, 8, block_size)
+        else:
+            if gate_bits:
+                mid = Path(work) / "int4.onnx"
+                _weight_only(path, mid, 4, block_size, exclude=gates)
+                _weight_only(mid, dst, 8, block_size, include=gates)
+            else:
+                _weight_only(path, dst, 4, block_size)
+        for f in SIDE_FILES:
+            if (model_dir / f).is_file():
+                shutil.copy2(model_dir / f, tmp / f)
+        meta = {**meta, "quantization": {"scheme": scheme, "gate_bits": gate_bits, "block_size": block_size,
+                                         "calibration_windows": 0 if windows is None else len(windows),
+                                         "source": str(path)}}
+        (tmp / "quantgate.json").write_text(json.dumps(meta, indent=2) + "\n")
+        check_graph(dst)
