@@ -112,28 +112,43 @@ GGUF_TYPES_HELP = "Q8_0, Q6_K, Q5_K_M, Q5_K_S, Q5_0, Q4_K_M, Q4_K_S, Q4_0, IQ4_N
 
 @main.command()
 @click.argument("model", type=click.Path())
-@click.option("--backend", type=click.Choice(["auto", "torch", "llama.cpp"]), default="auto", show_default=True,
-              help="auto: llama.cpp for a .gguf input, torch for a model directory (fake-quantized weights and "
-                   "activations, evaluated by our PyTorch runner)")
+@click.option("--backend", type=click.Choice(["auto", "torch", "llama.cpp", "onnxruntime"]), default="auto",
+              show_default=True, help="auto: llama.cpp for a .gguf, onnxruntime for an ONNX export, torch for a model "
+              "directory (fake-quantized weights and activations, evaluated by our PyTorch runner)")
 @click.option("--scheme", default=None, help="torch: w8a8-static[-sym|-pct|-sink], w8a8-smoothquant, w8a8-dynamic, "
-              "w8a16, kv-int8, kv-int4, w4a16-g32|g64|g128, w4a16-g32-gate8, w4a16-g32-qgate8, gptq-w4a16-g32|g128")
+              "w8a16, kv-int8, kv-int4, w4a16-g32|g64|g128, w4a16-g32-gate8, w4a16-g32-qgate8, gptq-w4a16-g32|g128; "
+              "onnxruntime: int8-dynamic, int8-static, int8-weight, int4")
+@click.option("--block-size", default=32, show_default=True, help="onnxruntime int4/int8-weight: block size")
 @click.option("--type", "qtype", default=None, help=f"llama.cpp: {GGUF_TYPES_HELP}")
 @click.option("--imatrix", type=click.Choice(["auto"]), default=None,
               help="llama.cpp: importance matrix computed in PyTorch from --calib-data")
 @click.option("--gate-bits", type=click.Choice(["8"]), default=None,
-              help="llama.cpp: keep attn_q (q and gate rows) at Q8_0 while the rest takes --type")
-@click.option("--out", required=True, type=click.Path(), help="output model directory (torch) or .gguf file")
+              help="llama.cpp: keep attn_q (q and gate rows) at Q8_0 while the rest takes --type; onnxruntime int4: "
+                   "keep the fused q|gate MatMul at 8 bits")
+@click.option("--out", required=True, type=click.Path(), help="output model directory (torch, ONNX) or .gguf file")
 @click.option("--calib-data", default="embedded", show_default=True,
               help="calibration text (the embedded corpus's valid split; never its test split)")
 @click.option("--calib-windows", default=32, show_default=True)
 @click.option("--ctx", default=256, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", type=int, default=None, help="llama.cpp quantizer threads")
-def quantize(model, backend, scheme, qtype, imatrix, gate_bits, out, calib_data, calib_windows, ctx, seed, threads):
+def quantize(model, backend, scheme, block_size, qtype, imatrix, gate_bits, out, calib_data, calib_windows, ctx, seed,
+             threads):
     """Quantize MODEL: a model directory under a named PyTorch scheme (writes a loadable checkpoint that
-    records the scheme), or a .gguf with llama.cpp's own quantizer (--type)."""
+    records the scheme), a .gguf with llama.cpp's own quantizer (--type), or an ONNX export with
+    onnxruntime.quantization (--scheme int8-dynamic|int8-static|int8-weight|int4)."""
+    from quantgate.onnx_weights import is_onnx
     if backend == "auto":
-        backend = "llama.cpp" if str(model).lower().endswith(".gguf") else "torch"
+        backend = "llama.cpp" if str(model).lower().endswith(".gguf") else "onnxruntime" if is_onnx(model) else "torch"
+    if backend == "onnxruntime":
+        if not scheme:
+            raise QuantgateError("--scheme is required for an ONNX export (int8-dynamic, int8-static, int8-weight, int4)")
+        if qtype or imatrix:
+            raise QuantgateError("--type and --imatrix apply to GGUF files (llama.cpp)")
+        from quantgate.onnx_quantize import quantize_onnx
+        _emit(quantize_onnx(model, out, scheme, int(gate_bits) if gate_bits else None, block_size, calib_data,
+                            calib_windows, ctx, seed), False)
+        return
     if backend == "llama.cpp":
         if not qtype:
             raise QuantgateError(f"--type is required for a GGUF ({GGUF_TYPES_HELP})")
@@ -153,7 +168,7 @@ def quantize(model, backend, scheme, qtype, imatrix, gate_bits, out, calib_data,
 
 @main.group()
 def export():
-    """Export a model directory to a deployable format (GGUF for llama.cpp)."""
+    """Export a model directory to a deployable format: GGUF (llama.cpp) or ONNX (ONNX Runtime)."""
 
 
 @export.command("gguf")
@@ -166,6 +181,25 @@ def export_gguf_cmd(model, out, outtype):
     interleaved in attn_q, so llama.cpp's own attention graph applies the gate."""
     from quantgate.export.gguf import export_checkpoint
     _emit(export_checkpoint(model, out, outtype), False)
+
+
+@export.command("onnx")
+@click.argument("model", type=click.Path())
+@click.option("--out", required=True, type=click.Path(), help="output directory (model.onnx, config, tokenizer)")
+@click.option("--opset", type=click.Choice(["23", "18"]), default="23", show_default=True,
+              help="23: ONNX Attention op with native GQA; 18: attention decomposed, for older runtimes")
+@click.option("--graph", type=click.Choice(["standard"]), default="standard", show_default=True,
+              help="standard: traced from PyTorch (q and gate in one MatMul, gate as Sigmoid*Mul after attention)")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True)
+def export_onnx_cmd(model, out, opset, graph, dtype):
+    """Write MODEL as an ONNX decoder with past/present key-value tensors (optimum's names, dynamic batch,
+    sequence and past lengths) that ONNX Runtime runs and optimum's ORTModelForCausalLM opens."""
+    import warnings
+
+    from quantgate.export.onnx import export_checkpoint
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _emit(export_checkpoint(model, out, int(opset), graph, dtype), False)
 
 
 @main.command()

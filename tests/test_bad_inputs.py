@@ -230,3 +230,72 @@ def test_gguf_eval_refuses_a_reference_with_another_tokenizer(gguf_files, tmp_pa
     r = run_cli("eval", str(gguf_files / "none.gguf"), "--data", str(gguf_files / "text.txt"), "--ctx", "32",
                 "--reference", str(other))
     assert_one_line_error(r, "different tokenizers")
+
+
+# --- ONNX exports -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def onnx_dirs(tmp_path_factory):
+    import shutil
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    from quantgate.checkpoint import save_checkpoint
+    from quantgate.export.onnx import export_checkpoint
+    from quantgate.model import build_model, preset
+    d = tmp_path_factory.mktemp("onnxbad")
+    save_checkpoint(build_model(preset("tiny", vocab_size=300), seed=0), d / "m", byte_tokenizer())
+    export_checkpoint(d / "m", d / "good")
+    good = (d / "good" / "model.onnx").read_bytes()
+    for name, data in (("truncated", good[: len(good) // 3]), ("garbage", b"\x00\xffnot a protobuf" * 100)):
+        shutil.copytree(d / "good", d / name)
+        (d / name / "model.onnx").write_bytes(data)
+    shutil.copytree(d / "good", d / "foreign")  # a valid ONNX graph that is not a decoder
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+    onnx.save(helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y])),
+              str(d / "foreign" / "model.onnx"))
+    (d / "text.txt").write_text("hello world " * 300)
+    (d / "short.txt").write_text("hi")
+    return d
+
+
+@pytest.mark.parametrize("name,needle", [("truncated", "corrupt or truncated ONNX"), ("garbage", "corrupt or truncated"),
+                                         ("foreign", "do not match a quantgate decoder")])
+@pytest.mark.parametrize("verb", ["eval", "quantize", "generate"])
+def test_malformed_onnx_gives_one_line_and_no_output(onnx_dirs, tmp_path, name, needle, verb):
+    src = onnx_dirs / name
+    before = dir_snapshot(src)
+    out = tmp_path / "out"
+    args = {"eval": ["eval", str(src), "--data", str(onnx_dirs / "text.txt"), "--ctx", "32"],
+            "quantize": ["quantize", str(src), "--scheme", "int4", "--out", str(out)],
+            "generate": ["generate", str(src), "--prompt", "hi", "--max-tokens", "4"]}[verb]
+    assert_one_line_error(run_cli(*args), needle)
+    assert not out.exists() and list(tmp_path.iterdir()) == [] and dir_snapshot(src) == before
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--scheme", "int3"], "unknown ONNX scheme 'int3'"),
+    (["--scheme", "int8-dynamic", "--gate-bits", "8"], "applies to int4"),
+    (["--scheme", "int4", "--gate-bits", "8"], "no fused q|gate projection"),
+    (["--scheme", "int4", "--block-size", "48"], "--block-size"),
+    (["--scheme", "int8-static", "--calib-data", "SHORT"], "too short for one window"),
+    (["--type", "Q4_0"], "--scheme is required"),
+])
+def test_onnx_quantize_bad_options(onnx_dirs, tmp_path, args, needle):
+    out = tmp_path / "o"
+    args = [str(onnx_dirs / "short.txt") if a == "SHORT" else a for a in args]
+    assert_one_line_error(run_cli("quantize", str(onnx_dirs / "good"), *args, "--out", str(out)), needle)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_onnx_quantize_refuses_requantizing_and_overwriting(onnx_dirs, tmp_path):
+    q = tmp_path / "q"
+    assert run_cli("quantize", str(onnx_dirs / "good"), "--scheme", "int8-weight", "--out", str(q)).returncode == 0
+    assert_one_line_error(run_cli("quantize", str(q), "--scheme", "int4", "--out", str(tmp_path / "r")),
+                          "already quantized")
+    before = dir_snapshot(onnx_dirs / "good")
+    assert_one_line_error(run_cli("quantize", str(onnx_dirs / "good"), "--scheme", "int4", "--out",
+                                  str(onnx_dirs / "good")), "would overwrite")
+    assert dir_snapshot(onnx_dirs / "good") == before
