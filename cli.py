@@ -188,8 +188,9 @@ def export_gguf_cmd(model, out, outtype):
 @click.option("--out", required=True, type=click.Path(), help="output directory (model.onnx, config, tokenizer)")
 @click.option("--opset", type=click.Choice(["23", "18"]), default="23", show_default=True,
               help="23: ONNX Attention op with native GQA; 18: attention decomposed, for older runtimes")
-@click.option("--graph", type=click.Choice(["standard"]), default="standard", show_default=True,
-              help="standard: traced from PyTorch (q and gate in one MatMul, gate as Sigmoid*Mul after attention)")
+@click.option("--graph", type=click.Choice(["standard", "gqa"]), default="standard", show_default=True,
+              help="standard: traced from PyTorch (q and gate in one MatMul, ONNX Attention, gate as Sigmoid*Mul "
+                   "after it); gqa: built around com.microsoft.GroupQueryAttention (rotary inside), gate after it")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True)
 def export_onnx_cmd(model, out, opset, graph, dtype):
     """Write MODEL as an ONNX decoder with past/present key-value tensors (optimum's names, dynamic batch,

@@ -27,7 +27,7 @@ from quantgate.model import Model
 
 OPSETS = (23, 18)
 DTYPES = ("fp32", "fp16")
-GRAPHS = ("standard",)
+GRAPHS = ("standard", "gqa")
 
 
 def io_names(n_layers: int) -> tuple[list[str], list[str]]:
@@ -60,10 +60,18 @@ def example_inputs(cfg, batch: int = 2, seq: int = 3, past: int = 4) -> tuple:
     return (ids, mask, pos, *kv)
 
 
-def trace_to_onnx(model: Model, path: Path, opset: int = 23, dtype: str = "fp32") -> None:
-    """torch.onnx.export (dynamo) of a fused copy of `model` to `path`."""
+def trace_to_onnx(model: Model, path: Path, opset: int = 23, dtype: str = "fp32", graph_form: str = "standard") -> None:
+    """torch.onnx.export (dynamo) of a fused copy of `model` to `path` (or, for graph_form 'gqa', the
+    hand-built GroupQueryAttention graph of export/onnx_gqa.py)."""
     import onnx
     from torch.export import Dim
+
+    if graph_form == "gqa":
+        from .onnx_gqa import build_gqa_graph
+        graph = build_gqa_graph(model)
+        onnx.checker.check_model(graph)
+        _save(graph, path, dtype)
+        return
 
     m = copy.deepcopy(model).eval()
     for layer in m.layers:
@@ -88,6 +96,11 @@ def trace_to_onnx(model: Model, path: Path, opset: int = 23, dtype: str = "fp32"
     graph = onnx.load(str(path))
     name_linear_weights(graph)
     onnx.checker.check_model(graph)
+    _save(graph, path, dtype)
+
+
+def _save(graph, path: Path, dtype: str) -> None:
+    import onnx
     if dtype == "fp16":
         # ORT's converter (weights and compute in fp16; inputs, outputs and the KV cache stay fp32, as
         # optimum's fp16 exports do). Tracing a half-precision module instead leaves fp32 rope constants
@@ -148,7 +161,12 @@ def export_onnx(model: Model, tokenizer, out_dir: str | Path, opset: int = 23, g
     check_not_input(out_dir, *inputs)
     lay = LAYOUTS[layout if layout in LAYOUTS else DEFAULT_LAYOUT_FOR_GATE[cfg.gate]]
     with atomic_dir(out_dir) as tmp:
-        trace_to_onnx(model, tmp / "model.onnx", opset, dtype)
+        if graph == "gqa" and opset != 23:
+            raise QuantgateError("--graph gqa is built at opset 23 (RMSNormalization); drop --opset 18")
+        if graph == "gqa" and (cfg.rotary_dim // 2) % 8:
+            raise QuantgateError(f"--graph gqa: ORT's GroupQueryAttention needs rotary_dim/2 to be a multiple of 8 "
+                                 f"(this model rotates {cfg.rotary_dim} channels); use --graph standard")
+        trace_to_onnx(model, tmp / "model.onnx", opset, dtype, graph)
         hf = config_to_hf(cfg, lay)
         hf["use_cache"] = True
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")

@@ -74,7 +74,7 @@ class OrtRunner:
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads
-        opts.log_severity_level = 3
+        opts.log_severity_level = 4  # failures surface as one QuantgateError, not as ORT log lines
         providers = ["CPUExecutionProvider"]
         if device == "cuda":
             if "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -102,7 +102,11 @@ class OrtRunner:
                 "position_ids": np.broadcast_to(np.arange(start, start + T, dtype=np.int64), (B, T)).copy(), **past}
         if self.device == "cuda":
             return self._step_bound(feed)
-        outs = self.session.run(None, feed)
+        try:
+            outs = self.session.run(None, feed)
+        except Exception as e:  # e.g. GroupQueryAttention's limits (several new tokens on a cache need batch 1)
+            msg = str(e).split("Status Message:")[-1].strip().splitlines()[0][:200]
+            raise QuantgateError(f"{self.path}: ONNX Runtime failed: {msg}") from None
         present = {n.replace("present.", "past_key_values."): v for n, v in zip(self.out_names[1:], outs[1:])}
         return outs[0].astype(np.float32), present
 
