@@ -61,8 +61,9 @@ class IdentityLayerShape:
     state = head_k_dim, inner = value width, heads = value heads (dt_rank), groups = key heads. Its MLP
     has the model's width: llama.cpp's qwen35 reads one feed_forward_length for all layers (a per-layer
     array fails its shape check). Measured on the small twins, 1 thread (benchmarks/results/gguf_twins.md):
-    256x256 (DESIGN's first choice) costs +27% prefill / +24% decode time, 32x32 +13% / +17%, 1x1 +4% / +7%,
-    so the default is 1x1; its few 1-wide rows stay unquantized, which costs nothing measurable.
+    256x256 (DESIGN's first choice) costs +20..40% prefill and decode time; 32x32 and 1x1 cost 0..27%
+    depending on the run (within this machine's noise of each other), so the default is 1x1, the smallest
+    file; its few 1-wide rows stay unquantized.
     """
     state: int = 1
     inner: int = 1
