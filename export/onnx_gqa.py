@@ -107,7 +107,11 @@ def build_gqa_graph(model: Model):
         down = linear(node("Mul", [silu, up], f"{m}/mlp_mul")[0], f"{m}.mlp.down_proj", sd[f"{p}.mlp.down_proj.weight"])
         h = node("Add", [h, down], f"{m}/residual_mlp")[0]
     h = rmsnorm(h, "model.norm.weight", "model/final_norm")
-    linear(h, "model.lm_head", sd["lm_head.weight"])
+    if cfg.tie_embeddings:  # one stored matrix, as in the traced graph (which also leaves it unquantized)
+        w_t = node("Transpose", ["model.embed_tokens.weight"], "model.lm_head/Transpose", perm=[1, 0])[0]
+        node("MatMul", [h, w_t], "model.lm_head.MatMul")
+    else:
+        linear(h, "model.lm_head", sd["lm_head.weight"])
     nodes[-1].output[0] = "logits"  # the graph output's name
 
     f32 = TensorProto.FLOAT
