@@ -323,6 +323,41 @@ def attribute(model, scheme, data, n_windows, calib_windows, ctx, json_out):
 
 
 @main.command()
+@click.option("--models", nargs=2, required=True, type=click.Path(), metavar="BASELINE GATED",
+              help="the twins: a model without gate, then the gated one (same tokenizer)")
+@click.option("--data", default="embedded", show_default=True, help=DATA_HELP)
+@click.option("--backends", default="torch,onnx,gguf", show_default=True, help="comma list of torch, onnx, gguf")
+@click.option("--schemes", default=None,
+              help="comma list of backend:scheme (e.g. torch:w8a8-static,onnx:int4,gguf:Q4_K_M,gguf:kv-q4_0); "
+                   "default: a set per backend (see quantgate.report.DEFAULT_SCHEMES)")
+@click.option("--windows", default=16, show_default=True, help="held-out windows scored per cell")
+@click.option("--ctx", default=256, show_default=True)
+@click.option("--calib-windows", default=16, show_default=True)
+@click.option("--threads", type=int, default=None)
+@click.option("--out", required=True, type=click.Path(), help="report directory (cells/, artifacts/, plots/, report.*)")
+def report(models, data, backends, schemes, windows, ctx, calib_windows, threads, out):
+    """Accuracy against bits for the twins side by side, per backend and scheme, with their outliers, the
+    per-layer link between activation size and quantization error, gate survival and a conclusion written
+    from the numbers. Re-running reuses every finished cell."""
+    from quantgate.progress import console
+    from quantgate.report import DEFAULT_SCHEMES, ReportSettings, run_report
+    bks = tuple(b.strip() for b in backends.split(",") if b.strip())
+    sch = {b: list(DEFAULT_SCHEMES.get(b, [])) for b in bks}
+    if schemes:
+        sch = {b: [] for b in bks}
+        for item in schemes.split(","):
+            b, _, name = item.strip().partition(":")
+            if b not in sch or not name:
+                raise QuantgateError(f"--schemes item {item!r} is not backend:scheme for one of {', '.join(bks)}")
+            sch[b].append(name)
+    rep = run_report(ReportSettings(models[0], models[1], out, data, bks, sch, windows, ctx, calib_windows,
+                                    threads=threads))
+    for line in rep["conclusion"]:
+        click.echo(f"- {line}")
+    console.print(f"report: {out}/report.html, {out}/report.md, {out}/report.json", markup=False, highlight=False)
+
+
+@main.command()
 @click.option("--out", default="quantgate-demo", show_default=True, type=click.Path(), help="output directory")
 @click.option("--fast", is_flag=True, help="tiny twins, a few minutes (CI)")
 @click.option("--gate", type=click.Choice(["headwise", "elementwise"]), default="elementwise", show_default=True)

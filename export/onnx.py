@@ -139,6 +139,29 @@ def name_linear_weights(model) -> None:
         inits[old].name = new
         for n in model.graph.node:
             n.input[:] = [new if x == old else x for x in n.input]
+    _own_norm_weights(model)
+
+
+def _own_norm_weights(model) -> None:
+    """The exporter shares one initializer between equal norm weights (e.g. q_norm and k_norm still at 1.0);
+    give every norm its own `<module>.weight` so the weights can be read back by name."""
+    import copy as _copy
+    inits = {i.name: i for i in model.graph.initializer}
+    for n in model.graph.node:
+        props = {p.key: p.value for p in n.metadata_props}
+        scopes = [x.strip(" '") for x in props.get("pkg.torch.onnx.name_scopes", "").strip("[]").split(",")]
+        module = next((x for x in reversed(scopes) if x.endswith("norm")), None)
+        if module is None:
+            continue
+        want = f"{module}.weight"
+        for k, x in enumerate(n.input):
+            if x in inits and len(inits[x].dims) == 1 and x != want:
+                if want not in inits:
+                    t = _copy.deepcopy(inits[x])
+                    t.name = want
+                    model.graph.initializer.append(t)
+                    inits[want] = t
+                n.input[k] = want
 
 
 def export_onnx(model: Model, tokenizer, out_dir: str | Path, opset: int = 23, graph: str = "standard",

@@ -1,8 +1,9 @@
 """`quantgate demo`: the main job, end to end on the embedded corpus.
 
-At this stage: train baseline/gated twins, evaluate both on held-out text, analyse their outliers side
-by side (JSON and plots), write a summary. Later stages (export, quantization, report) join here.
-Finished stages are reused on a re-run and an interrupted training resumes from its last checkpoint.
+Train baseline/gated twins, evaluate both on held-out text, analyse their outliers side by side (JSON and
+plots), then the report: both twins exported to ONNX and GGUF, quantized at 8 and 4 bits on every backend,
+scored against their float selves (report.html/.md/.json), and a short generation streamed from the 4-bit
+GGUF. Finished stages are reused on a re-run and an interrupted training resumes from its last checkpoint.
 """
 from __future__ import annotations
 
@@ -70,8 +71,32 @@ def run_demo(out: str | Path, fast: bool = False, gate: str = "elementwise", thr
                       f"{worst['max_position']}), max BOS attention {max(max(l['bos_attention']) for l in L):.3f} "
                       f"(uniform {rep['uniform_bos_share']:.3f})")
     console.print(f"analyze: {stages['analyze_s']:.0f} s, plots in {out / 'plots'}")
+    t = time.time()
+    from .report import DEMO_SCHEMES, ReportSettings, run_report
+    rep = run_report(ReportSettings(str(models["baseline"]), str(models["gated"]), str(out / "report"),
+                                    schemes={k: list(v) for k, v in DEMO_SCHEMES.items()},
+                                    windows=8 if fast else 16, ctx=tc.ctx, calib_windows=8 if fast else 16,
+                                    analysis_windows=8 if fast else 16, threads=threads))
+    stages["report_s"] = round(time.time() - t, 1)
+    for line in rep["conclusion"]:
+        console.print(f"- {line}", markup=False, highlight=False)
+    console.print(f"report: {stages['report_s']:.0f} s, {out / 'report' / 'report.html'}")
+
+    t = time.time()
+    gguf = Path(rep["cells"].get("gguf/gated/Q4_K_M", {}).get("artifact", ""))
+    sample = None
+    if gguf.is_file():
+        from .generate import generate
+        console.print(f"[bold]generate[/] from {gguf.name}:")
+        res = generate(str(gguf), "def ", max_tokens=48, threads=threads,
+                       on_text=lambda piece: console.out(piece, end="", highlight=False))
+        console.print("")
+        console.print(f"prefill {res.prefill_tps:.0f} tok/s, decode {res.decode_tps:.0f} tok/s", markup=False)
+        sample = res.to_dict()
+    stages["generate_s"] = round(time.time() - t, 1)
     summary = {"recipe": recipe, "gate": gate, "eval": evals, "stage_seconds": stages,
-               "analysis": str(out / "analysis.json"), "plots": result["plots"]}
+               "analysis": str(out / "analysis.json"), "plots": result["plots"],
+               "report": str(out / "report" / "report.html"), "generation": sample}
     write_json(out / "summary.json", summary)
     console.print(f"summary: {out / 'summary.json'}")
     return summary

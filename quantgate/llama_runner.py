@@ -136,6 +136,9 @@ class LlamaRunner:
         if kv_type not in KV_TYPES:
             raise QuantgateError(f"unknown KV-cache type {kv_type!r}; choose from {', '.join(KV_TYPES)}")
         self.info: GGUFInfo = inspect_gguf(path)
+        if kv_type in ("q8_0", "q4_0") and self.info.head_dim % 32:
+            raise QuantgateError(f"KV-cache type {kv_type} needs a head dimension that is a multiple of 32 "
+                                 f"(llama.cpp's block size); {path} has {self.info.head_dim}")
         self.path, self.kv_type = Path(path), kv_type
         self.name = name or f"llama.cpp:{self.path.name}"
         self.vocab_size = self.info.vocab_size

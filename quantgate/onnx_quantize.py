@@ -97,13 +97,18 @@ def quantize_onnx(src: str | Path, out_dir: str | Path, scheme: str, gate_bits: 
         tok = load_tokenizer(model_dir, meta.get("bos_id"), meta.get("eos_id"))
         windows = calibration_windows(tok, calib_data, calib_windows, ctx, seed)
 
-    root = logging.getLogger()  # ORT's quantizers log advice to the root logger; keep stderr for errors
-    level = root.level
-    root.setLevel(logging.ERROR)
+    # ORT's quantizers log advice and per-node INFO lines (root logger and their own); keep stderr for errors
+    loggers = [logging.getLogger()] + [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)
+                                       if n.startswith("onnxruntime")]
+    loggers.append(logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer"))
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
     try:
         _run(path, out_dir, scheme, gate_bits, block_size, gates, windows, model_dir, meta)
     finally:
-        root.setLevel(level)
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
     size = (out_dir / "model.onnx").stat().st_size
     return {"src": str(path), "out": str(out_dir), "scheme": scheme, "gate_bits": gate_bits, "block_size": block_size,
             "bytes": size, "src_bytes": path.stat().st_size, "gate_matmuls": len(gates)}

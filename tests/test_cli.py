@@ -58,6 +58,10 @@ def test_demo_fast_trains_and_evaluates_twins(tmp_path):
         assert 1 < e["ppl"] < 512 and e["split"] == "test"  # better than uniform over the 512-token vocab
     assert (out / "plots" / "bos_attention.png").is_file() and (out / "analysis.json").is_file()
     assert "largest |h|" in r.stderr
+    assert (out / "report" / "report.html").is_file() and summary["stage_seconds"]["report_s"] > 0
+    rep = json.loads((out / "report" / "report.json").read_text())
+    assert {"torch/gated/w4a16-g32", "onnx/gated/int4", "gguf/gated/Q4_K_M"} <= set(rep["cells"])
+    assert summary["generation"]["new_tokens"] > 0 and summary["generation"]["backend"].startswith("llama.cpp")
     again = run_cli("demo", "--fast", "--out", str(out), timeout=900)  # finished stages are reused
     assert again.returncode == 0 and "reusing" in again.stderr
     assert json.loads((out / "summary.json").read_text())["eval"] == summary["eval"]

@@ -1,0 +1,485 @@
+"""`quantgate report`: the twins side by side, model x backend x scheme, with outliers and the link between them.
+
+Every cell (one twin, one backend, one scheme) builds its artifact once under `OUT/artifacts/`, scores it
+against the twin's float PyTorch logits on the same held-out windows, and stores its numbers with the
+settings that produced them in `OUT/cells/*.json`. A re-run (or a run after an interruption) reuses every
+cell whose settings match, so only missing cells are computed. The report itself is written from the cells:
+`report.json` (every number, settings, versions, machine), `report.md`, and `report.html` (self-contained:
+plots embedded as data URIs, opens offline). The conclusion is generated from the numbers.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import html
+import json
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import __version__
+from .errors import QuantgateError
+from .fsio import atomic_file, write_json
+from .progress import console
+
+TWINS = ("baseline", "gated")
+DEFAULT_SCHEMES = {
+    "torch": ["w8a8-static", "w8a8-static-sink", "w8a8-dynamic", "w4a16-g32", "w4a16-g32-gate8"],
+    "onnx": ["fp32", "int8-dynamic", "int8-static", "int4", "int4+gate8"],
+    "gguf": ["F16", "Q8_0", "Q4_K_M", "Q4_K_M+gate8", "Q2_K", "kv-q8_0", "kv-q4_0"],
+}
+GATED_ONLY = ("w4a16-g32-gate8", "int4+gate8", "Q4_K_M+gate8")
+
+
+@dataclass
+class ReportSettings:
+    baseline: str
+    gated: str
+    out: str
+    data: str = "embedded"
+    backends: tuple = ("torch", "onnx", "gguf")
+    schemes: dict = field(default_factory=lambda: {k: list(v) for k, v in DEFAULT_SCHEMES.items()})
+    windows: int = 16
+    ctx: int = 256
+    calib_windows: int = 16
+    analysis_windows: int = 16
+    threads: int | None = None
+
+    def cell_key(self) -> str:
+        """What a cached cell must match: the inputs' identities and the measurement settings."""
+        from .evaluate import _model_key
+        ident = [_model_key(self.baseline), _model_key(self.gated), self.data, self.windows, self.ctx,
+                 self.calib_windows, __version__]
+        return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
+
+
+# --- cells -------------------------------------------------------------------------------------------
+
+def _bench_torch(model, ids: list[int]) -> dict:
+    import torch
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model(torch.tensor([ids[:128]]), past=[None] * model.cfg.n_layers)
+        t1 = time.perf_counter()
+        past, pos = out["past"], 128
+        for t in ids[128:192]:
+            out = model(torch.tensor([[t]]), past=past, start_pos=pos)
+            past, pos = out["past"], pos + 1
+        t2 = time.perf_counter()
+    return {"prefill_tps": 128 / (t1 - t0), "decode_tps": 64 / (t2 - t1)}
+
+
+def _torch_cell(s: ReportSettings, twin: str, scheme: str, art: Path) -> dict:
+    from .evaluate import evaluate_model
+    from .quantize import quantize_checkpoint
+    from .schemes import get_scheme
+    src = getattr(s, twin)
+    if not (art / "config.json").is_file():
+        quantize_checkpoint(src, scheme, art, s.data, s.calib_windows, s.ctx)
+    ev = evaluate_model(str(art), s.data, s.ctx, max_windows=s.windows, reference=src)
+    sch = get_scheme(scheme)
+    bits = 32.0 if sch.weight_bits is None else sch.weight_bits + (16 / sch.group_size if sch.group_size else 0)
+    return {**_metrics(ev), "bits_per_weight": bits, "bytes": None, "layer_sqnr_db": ev.get("layer_sqnr_db"),
+            "artifact": str(art)}
+
+
+def _onnx_cell(s: ReportSettings, twin: str, scheme: str, art_root: Path, ids: list[int]) -> dict:
+    from .evaluate import evaluate_model
+    from .export.onnx import export_checkpoint
+    from .onnx_quantize import quantize_onnx
+    from .ort_runner import OrtRunner
+    src, fp32 = getattr(s, twin), art_root / f"{twin}-fp32"
+    if not (fp32 / "model.onnx").is_file():
+        export_checkpoint(src, fp32)
+    art = fp32
+    if scheme != "fp32":
+        art = art_root / f"{twin}-{scheme}"
+        if not (art / "model.onnx").is_file():
+            base, _, gate8 = scheme.partition("+gate")
+            quantize_onnx(fp32, art, base, int(gate8) if gate8 else None, calib_data=s.data,
+                          calib_windows=s.calib_windows, ctx=s.ctx)
+    ev = evaluate_model(str(art), s.data, s.ctx, max_windows=s.windows, reference=src, threads=s.threads)
+    with OrtRunner(art, threads=s.threads) as r:
+        speed = r.bench(ids[:128], ids[128:192], repeats=3)
+    n = _n_params(src)
+    size = (art / "model.onnx").stat().st_size
+    return {**_metrics(ev), "bytes": size, "bits_per_weight": 8 * size / n, **_speed(speed), "artifact": str(art)}
+
+
+def _gguf_cell(s: ReportSettings, twin: str, scheme: str, art_root: Path, ids: list[int]) -> dict:
+    from .evaluate import evaluate_model
+    from .export.gguf import export_checkpoint
+    from .gguf_file import inspect_gguf
+    from .gguf_quantize import quantize_gguf
+    from .llama_runner import LlamaRunner
+    src, f32 = getattr(s, twin), art_root / f"{twin}-F32.gguf"
+    if not f32.is_file():
+        export_checkpoint(src, f32, "f32")
+    kv = "f32"
+    if scheme.startswith("kv-"):  # F16 weights, quantized KV cache: what a laptop would run
+        art, kv = art_root / f"{twin}-F16.gguf", scheme[3:]
+        scheme_file = "F16"
+    else:
+        art, scheme_file = art_root / f"{twin}-{scheme}.gguf", scheme
+    if not art.is_file():
+        base, _, gate8 = scheme_file.partition("+gate")
+        if base == "F16":
+            export_checkpoint(src, art, "f16")
+        else:
+            quantize_gguf(f32, art, base, gate_bits=int(gate8) if gate8 else None, threads=s.threads)
+    ev = evaluate_model(str(art), s.data, s.ctx, max_windows=s.windows, reference=src, kv_type=kv, threads=s.threads)
+    with LlamaRunner(art, n_ctx=max(s.ctx, 256), kv_type=kv if kv != "f32" else "f16", threads=s.threads,
+                     logits_all=False) as r:
+        speed = r.bench(ids[:128], ids[128:192], repeats=3)
+    info = inspect_gguf(art)
+    return {**_metrics(ev), "bytes": info.n_bytes, "bits_per_weight": info.bits_per_weight, "kv_type": kv,
+            **_speed(speed), "artifact": str(art)}
+
+
+def _metrics(ev: dict) -> dict:
+    keys = ("ppl", "reference_ppl", "delta_ppl_pct", "kld_mean", "kld_p99", "top1_agreement", "n_tokens")
+    return {k: ev[k] for k in keys}
+
+
+def _speed(b: dict) -> dict:
+    return {"prefill_tps": b["prefill_tps"], "decode_tps": b["decode_tps"]}
+
+
+def _n_params(path: str) -> int:
+    from .checkpoint import load_checkpoint
+    return load_checkpoint(path).model.num_params()
+
+
+# --- the run -----------------------------------------------------------------------------------------
+
+def _cached(path: Path, key: str, compute, label: str, timings: dict) -> dict:
+    if path.is_file():
+        try:
+            d = json.loads(path.read_text())
+            if d.get("_key") == key:
+                timings[label] = 0.0
+                return d
+        except json.JSONDecodeError:
+            pass
+    t0 = time.time()
+    console.print(f"[bold]{label}[/bold] ...")
+    d = compute()
+    d["_key"], d["_seconds"] = key, round(time.time() - t0, 2)
+    timings[label] = d["_seconds"]
+    write_json(path, d)
+    return d
+
+
+def run_report(s: ReportSettings) -> dict:
+    """Run (or resume) every cell, then write report.json, report.md and report.html into s.out."""
+    from .analyze import analyze, plot_reports
+    from .checkpoint import load_checkpoint
+    from .evaluate import eval_windows
+    from .gate_survival import check_gate_survival
+
+    unknown = [b for b in s.backends if b not in DEFAULT_SCHEMES]
+    if unknown:
+        raise QuantgateError(f"unknown backend {unknown[0]!r}; choose from {', '.join(DEFAULT_SCHEMES)}")
+    loaded = {t: load_checkpoint(getattr(s, t)) for t in TWINS}
+    if loaded["baseline"].model.cfg.gate != "none" or loaded["gated"].model.cfg.gate == "none":
+        raise QuantgateError("--models takes the baseline (no gate) first, then the gated twin")
+    tok = loaded["baseline"].tokenizer
+    if tok is None or loaded["gated"].tokenizer is None:
+        raise QuantgateError("both twins need a tokenizer.json")
+    out = Path(s.out)
+    cells_dir, art_dir, plots_dir = out / "cells", out / "artifacts", out / "plots"
+    key = s.cell_key()
+    timings: dict[str, float] = {}
+    from .calib_data import load_corpus, tokenize_corpus
+    from .evaluate import default_split
+    corpus = load_corpus(s.data).split(default_split(s.data))
+    ids = [int(t) for t in eval_windows(tokenize_corpus(corpus, tok).ids, 193, tok.bos_id, 1)[0]]
+
+    analysis = {t: _cached(cells_dir / f"analysis-{t}.json", key,
+                           lambda t=t: analyze(getattr(s, t), s.data, s.ctx, s.analysis_windows),
+                           f"analyse {t}", timings) for t in TWINS}
+    plot_files = [str(p) for p in plot_reports(analysis, plots_dir)]
+
+    cells: dict[str, dict] = {}
+    for backend in s.backends:
+        for twin in TWINS:
+            if backend == "torch":
+                cells[f"torch/{twin}/fp32"] = _cached(
+                    cells_dir / f"torch-{twin}-fp32.json", key,
+                    lambda twin=twin: {"bits_per_weight": 32.0, "kld_mean": 0.0, "top1_agreement": 1.0,
+                                       "delta_ppl_pct": 0.0, **_bench_torch(loaded[twin].model, ids)},
+                    f"torch {twin} fp32 speed", timings)
+            for scheme in s.schemes.get(backend, DEFAULT_SCHEMES[backend]):
+                if twin == "baseline" and scheme in GATED_ONLY:
+                    continue
+                label = f"{backend} {twin} {scheme}"
+
+                def compute(backend=backend, twin=twin, scheme=scheme):
+                    if backend == "torch":
+                        return _torch_cell(s, twin, scheme, art_dir / "torch" / f"{twin}-{scheme}")
+                    if backend == "onnx":
+                        return _onnx_cell(s, twin, scheme, art_dir / "onnx", ids)
+                    return _gguf_cell(s, twin, scheme, art_dir / "gguf", ids)
+
+                def guarded(compute=compute):
+                    try:
+                        return compute()
+                    except QuantgateError as e:  # a configuration this model cannot take: recorded, not fatal
+                        return {"error": str(e)}
+
+                cell = _cached(cells_dir / f"{backend}-{twin}-{scheme}.json", key, guarded, label, timings)
+                if "error" in cell:
+                    console.print(f"  skipped: {cell['error']}", markup=False, highlight=False)
+                if twin == "gated" and cell.get("artifact") and not scheme.startswith("kv-") and "gate_survival" not in cell:
+                    gs = check_gate_survival(cell["artifact"], s.gated, s.data, 4, s.ctx)
+                    cell["gate_survival"] = {k: gs[k] for k in ("worst_layer", "worst_mean_abs_diff", "max_frac_crossed_0.5")}
+                    write_json(cells_dir / f"{backend}-{twin}-{scheme}.json", cell)
+                cells[f"{backend}/{twin}/{scheme}"] = cell
+
+    report = build_report(s, analysis, cells, timings, plot_files)
+    plots = report_plots(report, plots_dir)
+    report["plots"] = plot_files + [str(p) for p in plots]
+    write_json(out / "report.json", report)
+    with atomic_file(out / "report.md", "w") as f:
+        f.write(render_markdown(report))
+    with atomic_file(out / "report.html", "w") as f:
+        f.write(render_html(report))
+    return report
+
+
+# --- numbers -> report ---------------------------------------------------------------------------------
+
+DEMO_SCHEMES = {
+    "torch": ["w8a8-static", "w8a8-static-sink", "w4a16-g32", "w4a16-g32-gate8"],
+    "onnx": ["fp32", "int8-dynamic", "int4", "int4+gate8"],
+    "gguf": ["F16", "Q8_0", "Q4_K_M", "Q4_K_M+gate8", "kv-q4_0"],
+}
+
+
+def _link(analysis: dict, cells: dict, twin: str) -> dict | None:
+    """Per Linear: W8A8-static output SQNR against that layer's input inf-norm, with their correlation."""
+    cell = cells.get(f"torch/{twin}/w8a8-static")
+    if not cell or not cell.get("layer_sqnr_db"):
+        return None
+    pts = []
+    for name, v in cell["layer_sqnr_db"].items():
+        li = analysis[twin]["linear_inputs"].get(name)
+        if li and v.get("output_db") is not None:
+            pts.append((name, li["max_abs"], v["output_db"]))
+    if len(pts) < 3:
+        return None
+    x, y = np.log10([p[1] for p in pts]), np.array([p[2] for p in pts])
+    return {"points": [{"linear": n, "inf_norm": a, "sqnr_db": b} for n, a, b in pts],
+            "pearson_log_infnorm_vs_sqnr": float(np.corrcoef(x, y)[0, 1])}
+
+
+def build_report(s: ReportSettings, analysis: dict, cells: dict, timings: dict, plot_files: list) -> dict:
+    import onnxruntime
+    import torch
+    try:
+        import llama_cpp
+        llama_version = llama_cpp.__version__
+    except ImportError:
+        llama_version = None
+    outliers = {}
+    for t, rep in analysis.items():
+        L = rep["layers"]
+        outliers[t] = {"max_abs": max(l["max_abs"] for l in L), "max_over_median": max(l["max_over_median"] for l in L),
+                       "bos_attention_max_layer_mean": max(l["bos_attention_mean"] for l in L),
+                       "uniform_bos_share": rep["uniform_bos_share"],
+                       "max_kurtosis": max(v["kurtosis"] for v in rep["linear_inputs"].values()),
+                       "max_linear_inf_norm": max(v["max_abs"] for v in rep["linear_inputs"].values()),
+                       "per_layer": [{k: l.get(k) for k in ("layer", "max_abs", "max_over_median", "bos_attention_mean")}
+                                     | ({"gate_mean": float(np.mean(l["gate_mean"])),
+                                         "gate_frac_below_0.1": float(np.mean(l["gate_frac_below_0.1"]))}
+                                        if "gate_mean" in l else {}) for l in L]}
+    rep = {"quantgate_version": __version__, "settings": asdict(s), "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                       "python": platform.python_version()},
+           "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
+                        "llama_cpp_python": llama_version},
+           "cells": {k: {kk: vv for kk, vv in v.items() if kk != "layer_sqnr_db"} for k, v in cells.items()},
+           "outliers": outliers, "link": {t: _link(analysis, cells, t) for t in TWINS}, "timings_s": timings}
+    rep["conclusion"] = conclusion(rep)
+    return rep
+
+
+def conclusion(rep: dict) -> list[str]:
+    """Sentences written from the numbers: nothing here is fixed wording that could contradict them."""
+    lines = []
+    o = rep["outliers"]
+    b, g = o["baseline"], o["gated"]
+    ratio = b["max_abs"] / g["max_abs"]
+    lines.append(f"Largest residual activation: baseline {b['max_abs']:.1f} vs gated {g['max_abs']:.1f} "
+                 f"({ratio:.2f}x); largest max/median ratio {b['max_over_median']:.1f} vs {g['max_over_median']:.1f}.")
+    uni = b["uniform_bos_share"]
+    sink = "none of either twin's layers is an attention sink" if max(b["bos_attention_max_layer_mean"],
+                                                                    g["bos_attention_max_layer_mean"]) < 0.2 \
+        else "at least one layer puts most of its attention on BOS"
+    lines.append(f"Attention on BOS, worst layer (head mean): baseline {b['bos_attention_max_layer_mean']:.3f} vs gated "
+                 f"{g['bos_attention_max_layer_mean']:.3f} (uniform {uni:.3f}): {sink}.")
+    wins = {"baseline": 0, "gated": 0}
+    for key, cell in rep["cells"].items():
+        backend, twin, scheme = key.split("/")
+        if twin != "gated" or scheme in GATED_ONLY or scheme in ("fp32", "F16"):
+            continue
+        other = rep["cells"].get(f"{backend}/baseline/{scheme}")
+        if not other or other.get("kld_mean") is None or cell.get("kld_mean") is None:
+            continue
+        kb, kg = other["kld_mean"], cell["kld_mean"]
+        if kb <= 0 or kg <= 0:
+            continue
+        better = "gated" if kg < kb else "baseline"
+        wins[better] += 1
+        lines.append(f"{backend} {scheme}: the {better} twin loses less (KLD {kb:.5f} baseline vs {kg:.5f} gated, "
+                     f"{max(kb, kg) / min(kb, kg):.2f}x; delta ppl {other['delta_ppl_pct']:+.2f}% vs "
+                     f"{cell['delta_ppl_pct']:+.2f}%).")
+    for plain, aware in (("w4a16-g32", "w4a16-g32-gate8"), ("int4", "int4+gate8"), ("Q4_K_M", "Q4_K_M+gate8")):
+        for backend in ("torch", "onnx", "gguf"):
+            p, a = rep["cells"].get(f"{backend}/gated/{plain}"), rep["cells"].get(f"{backend}/gated/{aware}")
+            if p and a:
+                lines.append(f"{backend}: keeping the gate at 8 bits under {plain} changes the gated twin's KLD from "
+                             f"{p['kld_mean']:.5f} to {a['kld_mean']:.5f}.")
+    total = wins["baseline"] + wins["gated"]
+    if total:
+        lines.insert(2, f"Across {total} quantized configurations the gated twin loses less in {wins['gated']} and the "
+                        f"baseline in {wins['baseline']} (KL divergence against each twin's own float model).")
+    for t, link in rep["link"].items():
+        if link:
+            r = link["pearson_log_infnorm_vs_sqnr"]
+            reading = ("layers with larger inputs lose more signal to W8A8" if r < -0.3 else
+                       "layers with larger inputs keep more signal under W8A8, the opposite of the outlier story"
+                       if r > 0.3 else "no clear relation between input size and W8A8 error across layers")
+            lines.append(f"{t}: per-layer W8A8 output SQNR against the layer's input inf-norm: Pearson r = {r:+.2f} "
+                         f"(log10 inf-norm, {len(link['points'])} layers): {reading}.")
+    return lines
+
+
+# --- plots and rendering ---------------------------------------------------------------------------------
+
+def report_plots(rep: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .analyze import _save
+    paths = []
+    backends = sorted({k.split("/")[0] for k in rep["cells"]})
+    fig, axes = plt.subplots(1, len(backends), figsize=(4.8 * len(backends), 3.8), squeeze=False)
+    for ax, backend in zip(axes[0], backends):
+        for twin, color in (("baseline", "tab:blue"), ("gated", "tab:orange")):
+            pts = sorted((c["bits_per_weight"], c["kld_mean"], k.split("/")[2]) for k, c in rep["cells"].items()
+                         if k.startswith(f"{backend}/{twin}/") and c.get("kld_mean") and c.get("bits_per_weight")
+                         and not k.endswith(("/fp32", "/F16")) and not k.split("/")[2].startswith("kv-"))
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=twin)
+                for x, y, name in pts:
+                    ax.annotate(name, (x, y), fontsize=6, xytext=(2, 2), textcoords="offset points")
+        ax.set_yscale("log")
+        ax.set_xlabel("bits per weight" + (" (nominal)" if backend == "torch" else " (file)"))
+        ax.set_ylabel("KL divergence vs float")
+        ax.set_title(backend)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(_save(fig, out_dir / "kld_vs_bits.png"))
+    plt.close(fig)
+    if any(rep["link"].values()):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for twin, color in (("baseline", "tab:blue"), ("gated", "tab:orange")):
+            link = rep["link"].get(twin)
+            if link:
+                ax.scatter([p["inf_norm"] for p in link["points"]], [p["sqnr_db"] for p in link["points"]], c=color,
+                           label=f"{twin} (r = {link['pearson_log_infnorm_vs_sqnr']:+.2f})", s=18)
+        ax.set_xscale("log")
+        ax.set_xlabel("linear-layer input inf-norm (max |x|)")
+        ax.set_ylabel("W8A8-static output SQNR (dB)")
+        ax.set_title("larger activations, larger quantization error?")
+        ax.legend(fontsize=8)
+        paths.append(_save(fig, out_dir / "sqnr_vs_infnorm.png"))
+        plt.close(fig)
+    return paths
+
+
+def _rows(rep: dict) -> list[tuple]:
+    rows = []
+    for key in sorted(rep["cells"], key=lambda k: (k.split("/")[0], k.split("/")[2], k.split("/")[1])):
+        backend, twin, scheme = key.split("/")
+        c = rep["cells"][key]
+        rows.append((backend, scheme, twin, c.get("bits_per_weight"), c.get("bytes"), c.get("ppl"),
+                     c.get("delta_ppl_pct"), c.get("kld_mean"), c.get("top1_agreement"), c.get("prefill_tps"),
+                     c.get("decode_tps"), (c.get("gate_survival") or {}).get("worst_mean_abs_diff")))
+    return rows
+
+
+HEADERS = ("backend", "scheme", "twin", "bits/weight", "bytes", "ppl", "delta ppl %", "KLD", "top-1", "prefill tok/s",
+           "decode tok/s", "gate mean |dg|")
+
+
+def _fmt(v, i: int) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if i == 4:
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:.5f}" if i in (7, 11) else f"{v:.4f}" if i == 8 else f"{v:+.2f}" if i == 6 else f"{v:.2f}" \
+            if i in (3, 5) else f"{v:.0f}"
+    return str(v)
+
+
+def render_markdown(rep: dict) -> str:
+    s = rep["settings"]
+    lines = [f"# quantgate report: {s['baseline']} vs {s['gated']}", "",
+             f"quantgate {rep['quantgate_version']}, {rep['created']}, {rep['machine']['processor']}; data `{s['data']}`, "
+             f"{s['windows']} held-out windows x {s['ctx']} tokens.", "", "## Conclusion", ""]
+    lines += [f"- {c}" for c in rep["conclusion"]]
+    lines += ["", "## Accuracy, size and speed", "", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(_fmt(v, i) for i, v in enumerate(r)) + " |" for r in _rows(rep)]
+    lines += ["", "## Outliers per layer", ""]
+    for t, o in rep["outliers"].items():
+        lines += [f"**{t}**: max |h| {o['max_abs']:.1f}, max kurtosis {o['max_kurtosis']:.0f}, max linear inf-norm "
+                  f"{o['max_linear_inf_norm']:.1f}", "", "| layer | max abs h | max/median | BOS attention | gate mean | gate < 0.1 |",
+                  "|---|---|---|---|---|---|"]
+        for l in o["per_layer"]:
+            lines.append(f"| {l['layer']} | {l['max_abs']:.1f} | {l['max_over_median']:.1f} | {l['bos_attention_mean']:.3f} | "
+                         f"{l.get('gate_mean', float('nan')):.3f} | {l.get('gate_frac_below_0.1', float('nan')):.1%} |")
+        lines.append("")
+    lines += ["## Plots", ""] + [f"![{Path(p).stem}](plots/{Path(p).name})" for p in rep.get("plots", [])]
+    return "\n".join(lines) + "\n"
+
+
+def _img(path: str) -> str:
+    data = base64.b64encode(Path(path).read_bytes()).decode()
+    return f'<figure><img alt="{html.escape(Path(path).stem)}" src="data:image/png;base64,{data}"></figure>'
+
+
+def render_html(rep: dict) -> str:
+    s = rep["settings"]
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in HEADERS)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(v, i))}</td>" for i, v in enumerate(r)) + "</tr>"
+                   for r in _rows(rep))
+    concl = "".join(f"<li>{html.escape(c)}</li>" for c in rep["conclusion"])
+    outl = ""
+    for t, o in rep["outliers"].items():
+        rows = "".join(f"<tr><td>{l['layer']}</td><td>{l['max_abs']:.1f}</td><td>{l['max_over_median']:.1f}</td>"
+                       f"<td>{l['bos_attention_mean']:.3f}</td><td>{l.get('gate_mean', float('nan')):.3f}</td></tr>"
+                       for l in o["per_layer"])
+        outl += (f"<h3>{html.escape(t)}</h3><table><tr><th>layer</th><th>max |h|</th><th>max/median</th>"
+                 f"<th>BOS attention</th><th>gate mean</th></tr>{rows}</table>")
+    imgs = "".join(_img(p) for p in rep.get("plots", []) if Path(p).is_file())
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>quantgate report</title>
+<style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em}}table{{border-collapse:collapse;
+font-size:13px}}td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}img{{max-width:100%}}</style></head>
+<body><h1>quantgate report</h1>
+<p>{html.escape(s['baseline'])} vs {html.escape(s['gated'])}; quantgate {html.escape(rep['quantgate_version'])},
+{html.escape(rep['created'])}, data <code>{html.escape(s['data'])}</code>, {s['windows']} windows x {s['ctx']} tokens.</p>
+<h2>Conclusion</h2><ul>{concl}</ul>
+<h2>Accuracy, size and speed</h2><table><tr>{head}</tr>{body}</table>
+<h2>Outliers per layer</h2>{outl}
+<h2>Plots</h2>{imgs}
+</body></html>
+"""

@@ -1,0 +1,83 @@
+"""`quantgate report`: every cell scored, numbers and conclusion consistent, HTML self-contained, resumable."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import run_cli
+from quantgate.checkpoint import save_checkpoint
+from quantgate.model import make_twins, preset
+from quantgate.tokenizer import byte_tokenizer
+
+SCHEMES = "torch:w8a8-static,onnx:int4,onnx:int4+gate8,gguf:Q4_0,gguf:kv-q8_0"
+
+
+@pytest.fixture(scope="module")
+def report_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("report")
+    # head_dim 32: llama.cpp's quantized KV cache needs multiples of its 32-block
+    base, gated = make_twins(preset("tiny", vocab_size=300, head_dim=32), "elementwise", seed=0)
+    with torch.no_grad():  # larger weights than the init so quantization visibly costs something
+        for m in (base, gated):
+            for p in m.parameters():
+                if p.dim() == 2:
+                    p.mul_(3.0)
+    tok = byte_tokenizer()
+    save_checkpoint(base, d / "baseline", tok)
+    save_checkpoint(gated, d / "gated", tok)
+    (d / "text.txt").write_text(open(torch.__file__).read() * 3)
+    args = ["report", "--models", str(d / "baseline"), str(d / "gated"), "--data", str(d / "text.txt"),
+            "--schemes", SCHEMES, "--windows", "2", "--ctx", "64", "--calib-windows", "2", "--out", str(d / "rep")]
+    r = run_cli(*args, env={"QUANTGATE_CACHE": str(d / "cache")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d, args, r
+
+
+def test_report_scores_every_cell_and_writes_three_files(report_run):
+    d, _, r = report_run
+    rep = json.loads((d / "rep" / "report.json").read_text())
+    keys = set(rep["cells"])
+    for twin in ("baseline", "gated"):
+        assert {f"torch/{twin}/w8a8-static", f"onnx/{twin}/int4", f"gguf/{twin}/Q4_0", f"gguf/{twin}/kv-q8_0"} <= keys
+    assert "onnx/gated/int4+gate8" in keys and "onnx/baseline/int4+gate8" not in keys
+    for k, c in rep["cells"].items():
+        if k.endswith("/fp32"):
+            continue
+        assert c["kld_mean"] > 0 and 0 < c["top1_agreement"] <= 1 and c["bits_per_weight"] > 0, k
+    assert rep["cells"]["onnx/gated/int4"]["gate_survival"]["worst_mean_abs_diff"] > 0
+    assert rep["cells"]["gguf/gated/Q4_0"]["prefill_tps"] > 0 and rep["cells"]["gguf/gated/kv-q8_0"]["kv_type"] == "q8_0"
+    assert rep["versions"]["onnxruntime"] and rep["settings"]["windows"] == 2
+    assert (d / "rep" / "report.md").read_text().count("| onnx | int4 |") == 2
+    assert r.stdout.startswith("- Largest residual activation")
+
+
+def test_conclusion_follows_the_numbers(report_run):
+    d, _, _ = report_run
+    rep = json.loads((d / "rep" / "report.json").read_text())
+    for backend, scheme in (("onnx", "int4"), ("gguf", "Q4_0"), ("torch", "w8a8-static")):
+        kb = rep["cells"][f"{backend}/baseline/{scheme}"]["kld_mean"]
+        kg = rep["cells"][f"{backend}/gated/{scheme}"]["kld_mean"]
+        line = next(c for c in rep["conclusion"] if c.startswith(f"{backend} {scheme}:"))
+        assert f"the {'gated' if kg < kb else 'baseline'} twin loses less" in line
+    o = rep["outliers"]
+    assert f"{o['baseline']['max_abs']:.1f}" in rep["conclusion"][0]
+
+
+def test_html_is_self_contained_with_plots(report_run):
+    d, _, _ = report_run
+    page = (d / "rep" / "report.html").read_text()
+    assert page.count('src="data:image/png;base64,') >= 4  # outliers, BOS heatmaps, gate histograms, KLD vs bits
+    assert "http://" not in page and "https://" not in page and "<script" not in page
+
+
+def test_report_resumes_from_finished_cells(report_run):
+    d, args, _ = report_run
+    cell = d / "rep" / "cells" / "gguf-gated-Q4_0.json"
+    cell.unlink()
+    r = run_cli(*args, env={"QUANTGATE_CACHE": str(d / "cache")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads((d / "rep" / "report.json").read_text())
+    recomputed = {k for k, v in rep["timings_s"].items() if v > 0}
+    assert recomputed == {"gguf gated Q4_0"} and cell.is_file()
