@@ -99,8 +99,9 @@ def train(out, resume, compile_, **kw):
 @click.option("--threads", type=int, default=None, help="GGUF only: llama.cpp threads")
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
 def eval_cmd(model, data, ctx, split, max_windows, reference, torchao, device, kv_type, threads, as_json):
-    """Perplexity of MODEL (a model directory, or a .gguf run by llama.cpp): consecutive windows of ctx-1
-    tokens, BOS first, every token scored. With --reference: KL divergence and top-1 agreement too."""
+    """Perplexity of MODEL (a model directory, a .gguf run by llama.cpp, or an ONNX export run by ONNX
+    Runtime): consecutive windows of ctx-1 tokens, BOS first, every token scored. With --reference: KL
+    divergence and top-1 agreement too."""
     from quantgate.evaluate import evaluate_model
     _emit(evaluate_model(model, data, ctx, split, max_windows, device=device, reference=reference,
                          torchao=torchao, kv_type=kv_type, threads=threads), as_json)
@@ -363,8 +364,10 @@ def report(models, data, backends, schemes, windows, ctx, calib_windows, threads
 @click.option("--gate", type=click.Choice(["headwise", "elementwise"]), default="elementwise", show_default=True)
 @click.option("--threads", type=int, default=None)
 def demo(out, fast, gate, threads):
-    """Train baseline and gated twins on the embedded corpus, evaluate them on held-out text, and
-    analyse their outliers side by side (analysis.json, plots/)."""
+    """Train baseline and gated twins on the embedded corpus, evaluate them on held-out text, analyse their
+    outliers side by side (analysis.json, plots/), export and quantize both on every backend and write the
+    report (report/report.html), then stream a short generation from the 4-bit GGUF. Re-running reuses
+    finished stages."""
     from quantgate.demo import run_demo
     run_demo(out, fast=fast, gate=gate, threads=threads)
 
