@@ -376,11 +376,12 @@ def report_plots(rep: dict, out_dir: Path) -> list[Path]:
                          if k.startswith(f"{backend}/{twin}/") and c.get("kld_mean") and c.get("bits_per_weight")
                          and not k.endswith(("/fp32", "/F16")) and not k.split("/")[2].startswith("kv-"))
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=twin)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=color, label=twin)
                 for x, y, name in pts:
                     ax.annotate(name, (x, y), fontsize=6, xytext=(2, 2), textcoords="offset points")
         ax.set_yscale("log")
-        ax.set_xlabel("bits per weight" + (" (nominal)" if backend == "torch" else " (file)"))
+        ax.set_xlabel("bits per weight" + (" (nominal, linear layers)" if backend == "torch"
+                                           else " (whole file, embeddings included)"))
         ax.set_ylabel("KL divergence vs float")
         ax.set_title(backend)
         ax.legend(fontsize=8)
@@ -416,7 +417,7 @@ def _rows(rep: dict) -> list[tuple]:
 
 
 HEADERS = ("backend", "scheme", "twin", "bits/weight", "bytes", "ppl", "delta ppl %", "KLD", "top-1", "prefill tok/s",
-           "decode tok/s", "gate mean |dg|")
+           "decode tok/s", "gate mean abs diff")
 
 
 def _fmt(v, i: int) -> str:
