@@ -445,8 +445,10 @@ def render_markdown(rep: dict) -> str:
                   f"{o['max_linear_inf_norm']:.1f}", "", "| layer | max abs h | max/median | BOS attention | gate mean | gate < 0.1 |",
                   "|---|---|---|---|---|---|"]
         for l in o["per_layer"]:
+            gm = f"{l['gate_mean']:.3f}" if "gate_mean" in l else "-"
+            gf = f"{l['gate_frac_below_0.1']:.1%}" if "gate_frac_below_0.1" in l else "-"
             lines.append(f"| {l['layer']} | {l['max_abs']:.1f} | {l['max_over_median']:.1f} | {l['bos_attention_mean']:.3f} | "
-                         f"{l.get('gate_mean', float('nan')):.3f} | {l.get('gate_frac_below_0.1', float('nan')):.1%} |")
+                         f"{gm} | {gf} |")
         lines.append("")
     lines += ["## Plots", ""] + [f"![{Path(p).stem}](plots/{Path(p).name})" for p in rep.get("plots", [])]
     return "\n".join(lines) + "\n"
@@ -466,7 +468,8 @@ def render_html(rep: dict) -> str:
     outl = ""
     for t, o in rep["outliers"].items():
         rows = "".join(f"<tr><td>{l['layer']}</td><td>{l['max_abs']:.1f}</td><td>{l['max_over_median']:.1f}</td>"
-                       f"<td>{l['bos_attention_mean']:.3f}</td><td>{l.get('gate_mean', float('nan')):.3f}</td></tr>"
+                       f"<td>{l['bos_attention_mean']:.3f}</td>"
+                       f"<td>{format(l['gate_mean'], '.3f') if 'gate_mean' in l else '-'}</td></tr>"
                        for l in o["per_layer"])
         outl += (f"<h3>{html.escape(t)}</h3><table><tr><th>layer</th><th>max |h|</th><th>max/median</th>"
                  f"<th>BOS attention</th><th>gate mean</th></tr>{rows}</table>")

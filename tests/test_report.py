@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,3 +82,26 @@ def test_report_resumes_from_finished_cells(report_run):
     rep = json.loads((d / "rep" / "report.json").read_text())
     recomputed = {k for k, v in rep["timings_s"].items() if v > 0}
     assert recomputed == {"gguf gated Q4_0"} and cell.is_file()
+
+
+def test_html_renders_its_plots_in_headless_chromium(report_run, tmp_path):
+    """Open report.html in headless Chromium and check the screenshot shows the plots' colours."""
+    import shutil
+    import subprocess
+
+    from PIL import Image
+    exe = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if exe is None:
+        pytest.skip("headless Chromium is not installed (apt-get install chromium)")
+    d, _, _ = report_run
+    shot = tmp_path / "shot.png"
+    subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1280,4000",
+                    f"--screenshot={shot}", (d / "rep" / "report.html").as_uri()], capture_output=True, timeout=180,
+                   check=False)
+    assert shot.is_file()
+    px = np.asarray(Image.open(shot).convert("RGB")).reshape(-1, 3).astype(int)
+
+    def near(rgb):  # matplotlib's tab:blue / tab:orange, used by the twins' markers and lines
+        return int((np.abs(px - np.array(rgb)).sum(1) < 40).sum())
+    assert near((31, 119, 180)) > 500 and near((255, 127, 14)) > 500
+    assert (px.sum(1) < 600).mean() > 0.02  # not a blank page: text, tables and plots drew something
