@@ -1,11 +1,12 @@
 """The `quantgate` command line: a thin layer over functions a user can import.
 
 Installed as `quantgate.cli`. Every bad input ends in one `error: ...` line on stderr and exit code 2;
-Ctrl-C ends with exit code 130. Nothing half-written is left behind (see quantgate.fsio).
+Ctrl-C ends with exit code 130, SIGTERM with 143. Nothing half-written is left behind (see quantgate.fsio).
 """
 from __future__ import annotations
 
 import json
+import signal
 import sys
 
 import click
@@ -14,16 +15,28 @@ from quantgate import __version__
 from quantgate.errors import QuantgateError
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the process is so that every atomic write below removes its temporary file."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 class QuantgateGroup(click.Group):
     def invoke(self, ctx):
+        signal.signal(signal.SIGTERM, _on_sigterm)
         try:
             return super().invoke(ctx)
         except QuantgateError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
         except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
+            click.echo("error: interrupted (Ctrl-C); nothing half-written was kept", err=True)
             sys.exit(130)
+        except Terminated:
+            click.echo("error: terminated (SIGTERM); nothing half-written was kept", err=True)
+            sys.exit(143)
 
 
 @click.group(cls=QuantgateGroup, context_settings={"help_option_names": ["-h", "--help"]})

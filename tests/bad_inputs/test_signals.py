@@ -1,0 +1,66 @@
+"""Ctrl-C and SIGTERM in the middle of long commands: one error line, the signal's exit code, nothing
+half-written (no output, no temporary files), and a report resumes afterwards."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from conftest import run_cli
+from quantgate.checkpoint import save_checkpoint
+from quantgate.model import make_twins, preset
+from quantgate.tokenizer import byte_tokenizer
+
+
+@pytest.fixture(scope="module")
+def twins(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sig")
+    b, g = make_twins(preset("tiny", vocab_size=300, head_dim=32), "elementwise", seed=0)
+    save_checkpoint(b, d / "baseline", byte_tokenizer())
+    save_checkpoint(g, d / "gated", byte_tokenizer())
+    (d / "text.txt").write_text("def f(x):\n    return x * 2\n" * 400)
+    return d
+
+
+def _start(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "QUANTGATE_PROGRESS": "0"}
+    return subprocess.Popen([sys.executable, "-m", "quantgate.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir(), env=env)
+
+
+def _interrupt(p: subprocess.Popen, sig: int, after: float) -> tuple[int, str]:
+    time.sleep(after)
+    assert p.poll() is None, "the command finished before the signal: lengthen it"
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=120)
+    return p.returncode, err
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_during_onnx_export_leaves_nothing(twins, tmp_path, sig, code):
+    out = tmp_path / "onnx"
+    rc, err = _interrupt(_start("export", "onnx", str(twins / "gated"), "--out", str(out)), sig, 4.0)
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert rc == code and len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # neither the output nor a temporary directory
+
+
+def test_sigint_during_report_then_resume(twins, tmp_path):
+    out = tmp_path / "rep"
+    args = ["report", "--models", str(twins / "baseline"), str(twins / "gated"), "--data", str(twins / "text.txt"),
+            "--schemes", "onnx:int4,gguf:Q4_0", "--windows", "2", "--ctx", "64", "--calib-windows", "2",
+            "--out", str(out)]
+    rc, err = _interrupt(_start(*args), signal.SIGINT, 10.0)
+    assert rc == 130 and "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: interrupted")
+    assert not (out / "report.html").exists()
+    leftovers = [p for p in out.rglob("*") if p.name.endswith((".tmp", ".old"))]
+    assert leftovers == []
+    done = {p.name for p in (out / "cells").glob("*.json")} if (out / "cells").is_dir() else set()
+    r = run_cli(*args, env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (out / "report.html").is_file() and done <= {p.name for p in (out / "cells").glob("*.json")}
