@@ -6,8 +6,10 @@ into place only once complete (rename is atomic on one filesystem).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -49,6 +51,19 @@ def _writable_parent(path: Path) -> Path:
     return parent
 
 
+FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def _as_user_error(e: BaseException, path: Path) -> BaseException:
+    """A full disk (or a file-size limit) while writing is the user's environment, not a bug: one line."""
+    short_write = isinstance(e, OSError) and e.errno is None and "written" in str(e)  # numpy's tofile
+    rust = re.search(r"os error (\d+)", str(e)) if type(e).__name__ == "SafetensorError" else None
+    if (isinstance(e, OSError) and (e.errno in FULL or short_write)) or (rust and int(rust.group(1)) in FULL):
+        why = getattr(e, "strerror", None) or ("short write" if short_write else os.strerror(int(rust.group(1))))
+        return QuantgateError(f"cannot write {path}: {why} (disk full or file size limit); nothing was kept")
+    return e
+
+
 def _mkstemp(path: Path, parent: Path) -> tuple[int, str]:
     try:
         return tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
@@ -68,10 +83,13 @@ def atomic_file(path: Path | str, mode: str = "wb") -> Iterator:
             os.fsync(f.fileno())
         os.chmod(tmp, _default_mode(False))
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        raise
+        err = _as_user_error(e, path)
+        if err is e:
+            raise
+        raise err from None
 
 
 @contextlib.contextmanager
@@ -86,10 +104,13 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
         yield Path(tmp)
         os.chmod(tmp, _default_mode(False))
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        raise
+        err = _as_user_error(e, path)
+        if err is e:
+            raise
+        raise err from None
 
 
 @contextlib.contextmanager
@@ -111,9 +132,12 @@ def atomic_dir(path: Path | str) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        err = _as_user_error(e, path)
+        if err is e:
+            raise
+        raise err from None
 
 
 def write_json(path: Path | str, obj) -> None:

@@ -277,6 +277,16 @@ def _link(analysis: dict, cells: dict, twin: str) -> dict | None:
             "pearson_log_infnorm_vs_sqnr": float(np.corrcoef(x, y)[0, 1])}
 
 
+def _layer_inputs(linear_inputs: dict, layer: int) -> dict:
+    """The layer's o_proj and down_proj inputs: inf-norm and kurtosis (where outliers hurt W8A8)."""
+    out = {}
+    for short, name in (("o_proj", f"layers.{layer}.self_attn.o_proj"), ("down_proj", f"layers.{layer}.mlp.down_proj")):
+        v = linear_inputs.get(name)
+        if v:
+            out[f"{short}_inf_norm"], out[f"{short}_kurtosis"] = v["max_abs"], v["kurtosis"]
+    return out
+
+
 def build_report(s: ReportSettings, analysis: dict, cells: dict, timings: dict, plot_files: list) -> dict:
     import onnxruntime
     import torch
@@ -294,6 +304,7 @@ def build_report(s: ReportSettings, analysis: dict, cells: dict, timings: dict, 
                        "max_kurtosis": max(v["kurtosis"] for v in rep["linear_inputs"].values()),
                        "max_linear_inf_norm": max(v["max_abs"] for v in rep["linear_inputs"].values()),
                        "per_layer": [{k: l.get(k) for k in ("layer", "max_abs", "max_over_median", "bos_attention_mean")}
+                                     | _layer_inputs(rep["linear_inputs"], l["layer"])
                                      | ({"gate_mean": float(np.mean(l["gate_mean"])),
                                          "gate_frac_below_0.1": float(np.mean(l["gate_frac_below_0.1"]))}
                                         if "gate_mean" in l else {}) for l in L]}
@@ -442,13 +453,16 @@ def render_markdown(rep: dict) -> str:
     lines += ["", "## Outliers per layer", ""]
     for t, o in rep["outliers"].items():
         lines += [f"**{t}**: max |h| {o['max_abs']:.1f}, max kurtosis {o['max_kurtosis']:.0f}, max linear inf-norm "
-                  f"{o['max_linear_inf_norm']:.1f}", "", "| layer | max abs h | max/median | BOS attention | gate mean | gate < 0.1 |",
-                  "|---|---|---|---|---|---|"]
+                  f"{o['max_linear_inf_norm']:.1f}", "",
+                  "| layer | max abs h | max/median | BOS attention | o_proj inf-norm | o_proj kurtosis | down_proj inf-norm "
+                  "| down_proj kurtosis | gate mean | gate < 0.1 |", "|---|---|---|---|---|---|---|---|---|---|"]
         for l in o["per_layer"]:
             gm = f"{l['gate_mean']:.3f}" if "gate_mean" in l else "-"
             gf = f"{l['gate_frac_below_0.1']:.1%}" if "gate_frac_below_0.1" in l else "-"
+            li = " | ".join(format(l[k], ".1f") if k in l else "-" for k in
+                            ("o_proj_inf_norm", "o_proj_kurtosis", "down_proj_inf_norm", "down_proj_kurtosis"))
             lines.append(f"| {l['layer']} | {l['max_abs']:.1f} | {l['max_over_median']:.1f} | {l['bos_attention_mean']:.3f} | "
-                         f"{gm} | {gf} |")
+                         f"{li} | {gm} | {gf} |")
         lines.append("")
     lines += ["## Plots", ""] + [f"![{Path(p).stem}](plots/{Path(p).name})" for p in rep.get("plots", [])]
     return "\n".join(lines) + "\n"
@@ -467,12 +481,15 @@ def render_html(rep: dict) -> str:
     concl = "".join(f"<li>{html.escape(c)}</li>" for c in rep["conclusion"])
     outl = ""
     for t, o in rep["outliers"].items():
+        keys = ("o_proj_inf_norm", "o_proj_kurtosis", "down_proj_inf_norm", "down_proj_kurtosis")
         rows = "".join(f"<tr><td>{l['layer']}</td><td>{l['max_abs']:.1f}</td><td>{l['max_over_median']:.1f}</td>"
                        f"<td>{l['bos_attention_mean']:.3f}</td>"
-                       f"<td>{format(l['gate_mean'], '.3f') if 'gate_mean' in l else '-'}</td></tr>"
+                       + "".join(f"<td>{format(l[k], '.1f') if k in l else '-'}</td>" for k in keys)
+                       + f"<td>{format(l['gate_mean'], '.3f') if 'gate_mean' in l else '-'}</td></tr>"
                        for l in o["per_layer"])
         outl += (f"<h3>{html.escape(t)}</h3><table><tr><th>layer</th><th>max |h|</th><th>max/median</th>"
-                 f"<th>BOS attention</th><th>gate mean</th></tr>{rows}</table>")
+                 f"<th>BOS attention</th><th>o_proj inf-norm</th><th>o_proj kurtosis</th><th>down_proj inf-norm</th>"
+                 f"<th>down_proj kurtosis</th><th>gate mean</th></tr>{rows}</table>")
     imgs = "".join(_img(p) for p in rep.get("plots", []) if Path(p).is_file())
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>quantgate report</title>
