@@ -64,6 +64,14 @@ def _as_user_error(e: BaseException, path: Path) -> BaseException:
     return e
 
 
+def _reraise(e: BaseException, path: Path):
+    """After cleaning up: raise `e` itself, or its one-line user error (a full disk)."""
+    err = _as_user_error(e, path)
+    if err is e:
+        raise e
+    raise err from None
+
+
 def _mkstemp(path: Path, parent: Path) -> tuple[int, str]:
     try:
         return tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
@@ -86,10 +94,7 @@ def atomic_file(path: Path | str, mode: str = "wb") -> Iterator:
     except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        err = _as_user_error(e, path)
-        if err is e:
-            raise
-        raise err from None
+        _reraise(e, path)
 
 
 @contextlib.contextmanager
@@ -107,10 +112,7 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
     except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        err = _as_user_error(e, path)
-        if err is e:
-            raise
-        raise err from None
+        _reraise(e, path)
 
 
 @contextlib.contextmanager
@@ -134,10 +136,7 @@ def atomic_dir(path: Path | str) -> Iterator[Path]:
             os.replace(tmp, path)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        err = _as_user_error(e, path)
-        if err is e:
-            raise
-        raise err from None
+        _reraise(e, path)
 
 
 def write_json(path: Path | str, obj) -> None:
