@@ -151,11 +151,12 @@ def _own_norm_weights(model) -> None:
         props = {p.key: p.value for p in n.metadata_props}
         scopes = [x.strip(" '") for x in props.get("pkg.torch.onnx.name_scopes", "").strip("[]").split(",")]
         module = next((x for x in reversed(scopes) if x.endswith("norm")), None)
-        if module is None:
+        if module is None or n.op_type not in ("RMSNormalization", "Mul"):
             continue
         want = f"{module}.weight"
-        for k, x in enumerate(n.input):
-            if x in inits and len(inits[x].dims) == 1 and x != want:
+        for k, x in enumerate(n.input):  # the scale: a float vector (not an axes or epsilon constant)
+            t = inits.get(x)
+            if t is not None and len(t.dims) == 1 and t.dims[0] > 1 and t.data_type in (1, 10) and x != want:
                 if want not in inits:
                     t = _copy.deepcopy(inits[x])
                     t.name = want

@@ -94,12 +94,14 @@ def test_optimum_opens_the_baseline_export_and_generates(exports):
     assert gen[0, 10:].tolist() == ours  # greedy continuation equals our model's
 
 
-def test_loaded_back_from_onnx_equals_the_source(exports):
+@pytest.mark.parametrize("name", ["headwise-23", "elementwise-18", "none-gqa"])
+def test_loaded_back_from_onnx_equals_the_source(exports, name):
     d, models = exports
-    back = load_checkpoint(d / "headwise-23")
+    gate = name.split("-")[0]
+    back = load_checkpoint(d / name)
     with torch.no_grad():
-        a, b = back.model(torch.as_tensor(W)), models["headwise"](torch.as_tensor(W))
-    assert back.model.cfg.gate == "headwise" and rel_err(a, b) <= 1e-6
+        a, b = back.model(torch.as_tensor(W)), models[gate](torch.as_tensor(W))
+    assert back.model.cfg.gate == gate and rel_err(a, b) <= 1e-6
 
 
 def test_fp16_export_runs_close_to_fp32(tmp_path):
