@@ -19,24 +19,41 @@ class Terminated(BaseException):
     """SIGTERM, raised where the process is so that every atomic write below removes its temporary file."""
 
 
-def _on_sigterm(signum, frame):
-    raise Terminated()
+_signalled: list[int] = []  # set by the handlers: some libraries (torch.export) turn an interrupt into their own error
+
+
+def _on_signal(signum, frame):
+    _signalled.append(signum)
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def _stop(signum: int):
+    if signum == signal.SIGTERM:
+        click.echo("error: terminated (SIGTERM); nothing half-written was kept", err=True)
+        sys.exit(143)
+    click.echo("error: interrupted (Ctrl-C); nothing half-written was kept", err=True)
+    sys.exit(130)
 
 
 class QuantgateGroup(click.Group):
     def invoke(self, ctx):
-        signal.signal(signal.SIGTERM, _on_sigterm)
+        signal.signal(signal.SIGTERM, _on_signal)
+        signal.signal(signal.SIGINT, _on_signal)
         try:
             return super().invoke(ctx)
         except QuantgateError as e:
+            if _signalled:
+                _stop(_signalled[0])
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
         except KeyboardInterrupt:
-            click.echo("error: interrupted (Ctrl-C); nothing half-written was kept", err=True)
-            sys.exit(130)
+            _stop(signal.SIGINT)
         except Terminated:
-            click.echo("error: terminated (SIGTERM); nothing half-written was kept", err=True)
-            sys.exit(143)
+            _stop(signal.SIGTERM)
+        except Exception:
+            if _signalled:  # the signal surfaced as another library's error: still an interruption
+                _stop(_signalled[0])
+            raise
 
 
 @click.group(cls=QuantgateGroup, context_settings={"help_option_names": ["-h", "--help"]})
