@@ -80,24 +80,6 @@ def _mkstemp(path: Path, parent: Path) -> tuple[int, str]:
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path | str, mode: str = "wb") -> Iterator:
-    path = Path(path)
-    parent = _writable_parent(path)
-    fd, tmp = _mkstemp(path, parent)
-    try:
-        with os.fdopen(fd, mode) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _default_mode(False))
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        _reraise(e, path)
-
-
-@contextlib.contextmanager
 def atomic_path(path: Path | str) -> Iterator[Path]:
     """Yield a temporary path beside `path` for writers that open files themselves (gguf-py, llama.cpp,
     onnx); it is renamed to `path` on success and removed on failure."""
@@ -113,6 +95,15 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         _reraise(e, path)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path | str, mode: str = "wb") -> Iterator:
+    """An open file whose contents reach `path` only once written and synced (see atomic_path)."""
+    with atomic_path(path) as tmp, open(tmp, mode) as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
 
 
 @contextlib.contextmanager
