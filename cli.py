@@ -46,6 +46,15 @@ class QuantgateGroup(click.Group):
                 _stop(_signalled[0])
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
+        except click.UsageError as e:  # click's three-line usage message, as one line
+            where = f" (see '{e.ctx.command_path} --help')" if e.ctx else ""
+            click.echo(f"error: {e.format_message()}{where}", err=True)
+            sys.exit(2)
+        except OSError as e:  # the file system said no (a file where a folder must be, permissions, ...)
+            if _signalled:
+                _stop(_signalled[0])
+            click.echo(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e}", err=True)
+            sys.exit(2)
         except KeyboardInterrupt:
             _stop(signal.SIGINT)
         except Terminated:

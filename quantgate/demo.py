@@ -15,7 +15,7 @@ from rich.table import Table
 
 from .analyze import run_analyze
 from .evaluate import evaluate_model
-from .fsio import write_json
+from .fsio import check_output_dir, write_json
 from .progress import console
 from .train import TrainConfig, train
 
@@ -31,6 +31,7 @@ DEMO_RECIPES = {
 def run_demo(out: str | Path, fast: bool = False, gate: str = "elementwise", threads: int | None = None,
              eval_windows: int | None = None) -> dict:
     out = Path(out)
+    check_output_dir(out)
     recipe = dict(DEMO_RECIPES["fast" if fast else "full"])
     # torch.compile makes the full recipe's steps 1.29x faster (benchmarks/results/train_throughput.json) for
     # ~40 s of compiling per model; it needs a C compiler, so machines without one train eagerly.

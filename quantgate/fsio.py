@@ -51,6 +51,20 @@ def _writable_parent(path: Path) -> Path:
     return parent
 
 
+def check_output_dir(path: Path | str, flag: str = "--out") -> None:
+    """Fail before any work when `path` cannot become a directory (a file is in the way, or its nearest
+    existing folder is read-only); creates nothing, so a refused run leaves no empty folders behind."""
+    path = Path(path)
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        where = "is a file" if probe == path else f"lies under {probe}, which is a file"
+        raise QuantgateError(f"{flag} {path} {where}; it must be a directory")
+    if not os.access(probe, os.W_OK):
+        raise QuantgateError(f"{flag} {path}: {probe} is not writable")
+
+
 FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 

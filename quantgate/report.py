@@ -23,7 +23,7 @@ import numpy as np
 
 from . import __version__
 from .errors import QuantgateError
-from .fsio import atomic_file, write_json
+from .fsio import atomic_file, check_output_dir, write_json
 from .progress import console
 
 TWINS = ("baseline", "gated")
@@ -33,6 +33,11 @@ DEFAULT_SCHEMES = {
     "gguf": ["F16", "Q8_0", "Q4_K_M", "Q4_K_M+gate8", "Q2_K", "kv-q8_0", "kv-q4_0"],
 }
 GATED_ONLY = ("w4a16-g32-gate8", "int4+gate8", "Q4_K_M+gate8")
+
+
+def gated_only(scheme: str) -> bool:
+    """Gate-aware schemes (gate rows kept at 8 bits) have nothing to keep in the baseline."""
+    return scheme.endswith("gate8")
 
 
 @dataclass
@@ -156,6 +161,34 @@ def _n_params(path: str) -> int:
 
 # --- the run -----------------------------------------------------------------------------------------
 
+def known_schemes(backend: str) -> list[str]:
+    """Every scheme name a report cell of `backend` accepts: checked before any work, so a typo is one
+    error line and not a report whose cells were all skipped."""
+    if backend == "torch":
+        from .schemes import SCHEMES
+        return list(SCHEMES)
+    if backend == "onnx":
+        from .onnx_quantize import SCHEMES
+        return ["fp32", *SCHEMES, "int4+gate8"]
+    from .gguf_quantize import FILE_TYPES
+    from .llama_runner import KV_TYPES
+    return [*FILE_TYPES, *(f"{t}+gate8" for t in FILE_TYPES if t not in ("F16", "BF16", "Q8_0")),
+            *(f"kv-{k}" for k in KV_TYPES if k != "f32")]
+
+
+def check_settings(s: ReportSettings) -> None:
+    unknown = [b for b in s.backends if b not in DEFAULT_SCHEMES]
+    if unknown:
+        raise QuantgateError(f"unknown backend {unknown[0]!r}; choose from {', '.join(DEFAULT_SCHEMES)}")
+    for backend in s.backends:
+        names = known_schemes(backend)
+        for scheme in s.schemes.get(backend, DEFAULT_SCHEMES[backend]):
+            if scheme not in names:
+                listed = ", ".join(n for n in names if not n.endswith("+gate8"))
+                aware = " (or a 2- to 6-bit type with +gate8)" if backend == "gguf" else ""
+                raise QuantgateError(f"unknown {backend} scheme {scheme!r}; choose from {listed}{aware}")
+    check_output_dir(s.out)
+
 def _cached(path: Path, key: str, compute, label: str, timings: dict) -> dict:
     if path.is_file():
         try:
@@ -181,9 +214,7 @@ def run_report(s: ReportSettings) -> dict:
     from .evaluate import eval_windows
     from .gate_survival import check_gate_survival
 
-    unknown = [b for b in s.backends if b not in DEFAULT_SCHEMES]
-    if unknown:
-        raise QuantgateError(f"unknown backend {unknown[0]!r}; choose from {', '.join(DEFAULT_SCHEMES)}")
+    check_settings(s)
     loaded = {t: load_checkpoint(getattr(s, t)) for t in TWINS}
     if loaded["baseline"].model.cfg.gate != "none" or loaded["gated"].model.cfg.gate == "none":
         raise QuantgateError("--models takes the baseline (no gate) first, then the gated twin")
@@ -214,7 +245,7 @@ def run_report(s: ReportSettings) -> dict:
                                        "delta_ppl_pct": 0.0, **_bench_torch(loaded[twin].model, ids)},
                     f"torch {twin} fp32 speed", timings)
             for scheme in s.schemes.get(backend, DEFAULT_SCHEMES[backend]):
-                if twin == "baseline" and scheme in GATED_ONLY:
+                if twin == "baseline" and gated_only(scheme):
                     continue
                 label = f"{backend} {twin} {scheme}"
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .calib_data import load_corpus, sample_windows, tokenize_corpus
 from .checkpoint import save_checkpoint
 from .errors import QuantgateError
-from .fsio import atomic_file, write_json
+from .fsio import atomic_file, check_output_dir, write_json
 from .model import GATE_MODES, Model, build_model, make_twins, preset
 from .progress import make_progress
 from .tokenizer import Tokenizer, byte_tokenizer, load_tokenizer, train_bpe
@@ -192,6 +192,7 @@ def train(tc: TrainConfig, out: str | Path, resume: bool = False) -> dict[str, P
         raise QuantgateError(f"--resume: no training state in {state_dir}")
     if not resume and state_file.is_file():
         raise QuantgateError(f"{out} already holds a training run; pass --resume to continue it or pick another --out")
+    check_output_dir(out)
     torch.manual_seed(tc.seed)
 
     corpus = load_corpus(tc.data, tc.max_chars)

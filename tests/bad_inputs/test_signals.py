@@ -24,6 +24,10 @@ def twins(tmp_path_factory):
     save_checkpoint(b, d / "baseline", byte_tokenizer())
     save_checkpoint(g, d / "gated", byte_tokenizer())
     (d / "text.txt").write_text("def f(x):\n    return x * 2\n" * 400)
+    env = {**os.environ, "QUANTGATE_PROGRESS": "0"}
+    for verb in (["onnx", "--out", str(d / "onnx")], ["gguf", "--out", str(d / "g.gguf")]):
+        subprocess.run([sys.executable, "-m", "quantgate.cli", "export", verb[0], str(d / "gated"), *verb[1:]],
+                       check=True, capture_output=True, env=env, cwd=tempfile.gettempdir())
     return d
 
 
@@ -50,13 +54,36 @@ def test_signal_during_onnx_export_leaves_nothing(twins, tmp_path, sig, code):
     assert list(tmp_path.iterdir()) == []  # neither the output nor a temporary directory
 
 
-def test_sigint_during_report_then_resume(twins, tmp_path):
+# Each command is given enough calibration work to still be running when the signal lands (seconds here).
+QUANTIZE = {
+    "torch": ["quantize", "{d}/gated", "--scheme", "w8a8-static", "--calib-windows", "3000", "--out", "{out}/q"],
+    "onnx": ["quantize", "{d}/onnx", "--scheme", "int8-static", "--calib-windows", "800", "--out", "{out}/q"],
+    "gguf": ["quantize", "{d}/g.gguf", "--type", "Q4_K_M", "--imatrix", "auto", "--calib-windows", "2000",
+             "--out", "{out}/q.gguf"],
+}
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("backend", list(QUANTIZE))
+def test_signal_during_quantize_leaves_nothing(twins, tmp_path, backend, sig, code):
+    before = {p: p.read_bytes() for p in twins.rglob("*") if p.is_file()}
+    args = [a.format(d=twins, out=tmp_path) for a in QUANTIZE[backend]]
+    rc, err = _interrupt(_start(*args), sig, 5.0)
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert rc == code and len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err[-2000:]
+    assert list(tmp_path.iterdir()) == []
+    assert {p: p.read_bytes() for p in twins.rglob("*") if p.is_file()} == before  # inputs untouched
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_during_report_then_resume(twins, tmp_path, sig, code):
     out = tmp_path / "rep"
     args = ["report", "--models", str(twins / "baseline"), str(twins / "gated"), "--data", str(twins / "text.txt"),
             "--schemes", "onnx:int4,gguf:Q4_0", "--windows", "2", "--ctx", "64", "--calib-windows", "2",
             "--out", str(out)]
-    rc, err = _interrupt(_start(*args), signal.SIGINT, 10.0)
-    assert rc == 130 and "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: interrupted")
+    rc, err = _interrupt(_start(*args), sig, 10.0)
+    word = "interrupted" if sig == signal.SIGINT else "terminated"
+    assert rc == code and "Traceback" not in err and err.strip().splitlines()[-1].startswith(f"error: {word}")
     assert not (out / "report.html").exists()
     leftovers = [p for p in out.rglob("*") if p.name.endswith((".tmp", ".old"))]
     assert leftovers == []

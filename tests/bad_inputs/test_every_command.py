@@ -1,0 +1,75 @@
+"""Bad input for the commands the file/format sweeps do not reach (analyze, attribute, report, demo, train,
+export, generate, info): one `error:` line, exit code 2, nothing written, the inputs untouched."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import dir_snapshot, run_cli
+from quantgate.checkpoint import save_checkpoint
+from quantgate.model import make_twins, preset
+from quantgate.tokenizer import byte_tokenizer
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("every")
+    b, g = make_twins(preset("tiny", vocab_size=300, head_dim=32), "elementwise", seed=0)
+    save_checkpoint(b, d / "baseline", byte_tokenizer())
+    save_checkpoint(g, d / "gated", byte_tokenizer())
+    (d / "t.txt").write_text("def f(x):\n    return x * 2\n" * 300)
+    (d / "bin.txt").write_bytes(b"abc\x00\x01def" * 40)
+    (d / "afile").write_text("a file where a folder must be\n")
+    return d
+
+
+CASES = {
+    "analyze missing model": (["analyze", "{d}/nothere", "--data", "{d}/t.txt"], "does not exist"),
+    "analyze binary text": (["analyze", "{d}/gated", "--data", "{d}/bin.txt"], "binary"),
+    "analyze compare missing": (["analyze", "{d}/gated", "--data", "{d}/t.txt", "--compare", "{d}/nothere"],
+                                "does not exist"),
+    "analyze gate lost": (["analyze", "{d}/baseline", "--data", "{d}/t.txt", "--reference", "{d}/gated"],
+                          "gate was lost"),
+    "analyze reference without gate": (["analyze", "{d}/gated", "--data", "{d}/t.txt", "--reference",
+                                        "{d}/baseline"], "no attention gate"),
+    "attribute unknown scheme": (["attribute", "{d}/gated", "--scheme", "w9", "--data", "{d}/t.txt"],
+                                 "unknown scheme 'w9'"),
+    "report twins swapped": (["report", "--models", "{d}/gated", "{d}/baseline", "--data", "{d}/t.txt",
+                              "--out", "{out}/r"], "baseline (no gate) first"),
+    "report unknown backend": (["report", "--models", "{d}/baseline", "{d}/gated", "--backends", "tpu",
+                                "--out", "{out}/r"], "unknown backend 'tpu'"),
+    "report unknown gguf type": (["report", "--models", "{d}/baseline", "{d}/gated", "--schemes", "gguf:Q9_9",
+                                  "--out", "{out}/r"], "unknown gguf scheme 'Q9_9'"),
+    "report unknown torch scheme": (["report", "--models", "{d}/baseline", "{d}/gated", "--schemes",
+                                     "torch:w8a8", "--out", "{out}/r"], "unknown torch scheme 'w8a8'"),
+    "report malformed scheme item": (["report", "--models", "{d}/baseline", "{d}/gated", "--schemes", "int4",
+                                      "--out", "{out}/r"], "not backend:scheme"),
+    "report binary text": (["report", "--models", "{d}/baseline", "{d}/gated", "--data", "{d}/bin.txt",
+                            "--out", "{out}/r"], "binary"),
+    "report out is a file": (["report", "--models", "{d}/baseline", "{d}/gated", "--data", "{d}/t.txt",
+                              "--out", "{d}/afile"], "is a file"),
+    "demo out is a file": (["demo", "--out", "{d}/afile"], "is a file"),
+    "train out under a file": (["train", "--preset", "tiny", "--data", "{d}/t.txt", "--steps", "2",
+                                "--out", "{d}/afile/run"], "which is a file"),
+    "train unknown preset": (["train", "--preset", "huge", "--out", "{out}/run"], "'huge' is not one of"),
+    "train zero steps": (["train", "--preset", "tiny", "--data", "{d}/t.txt", "--steps", "0",
+                          "--out", "{out}/run"], "steps must be positive"),
+    "export unknown format": (["export", "tflite", "{d}/gated", "--out", "{out}/x"], "No such command 'tflite'"),
+    "export gguf bad outtype": (["export", "gguf", "{d}/gated", "--outtype", "q4", "--out", "{out}/x.gguf"],
+                                "'q4' is not one of"),
+    "generate zero tokens": (["generate", "{d}/gated", "--prompt", "x", "--max-tokens", "0"], "--max-tokens"),
+    "info missing gguf": (["info", "{d}/nothere.gguf"], "does not exist"),
+    "unknown command": (["tflite"], "No such command"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_gives_one_line(work, tmp_path, name):
+    args, needle = CASES[name]
+    before = dir_snapshot(work)
+    r = run_cli(*[a.format(d=work, out=tmp_path) for a in args])
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+    assert lines[0].startswith("error: ") and needle in lines[0], lines[0]
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even an empty folder
+    assert dir_snapshot(work) == before and sorted(p.name for p in work.iterdir()) == sorted(
+        ["afile", "baseline", "bin.txt", "gated", "t.txt"])
