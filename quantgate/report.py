@@ -53,6 +53,7 @@ class ReportSettings:
     calib_windows: int = 16
     analysis_windows: int = 16
     threads: int | None = None
+    recipe_note: str | None = None      # why the twins were trained as they were (the demo says so here)
 
     def cell_key(self) -> str:
         """What a cached cell must match: the inputs' identities and the measurement settings."""
@@ -272,6 +273,7 @@ def run_report(s: ReportSettings) -> dict:
                 cells[f"{backend}/{twin}/{scheme}"] = cell
 
     report = build_report(s, analysis, cells, timings, plot_files)
+    report["training"] = {t: _training(loaded[t].model.cfg.extra) for t in TWINS}
     plots = report_plots(report, plots_dir)
     report["plots"] = plot_files + [str(p) for p in plots]
     write_json(out / "report.json", report)
@@ -316,6 +318,28 @@ def _layer_inputs(linear_inputs: dict, layer: int) -> dict:
         if v:
             out[f"{short}_inf_norm"], out[f"{short}_kurtosis"] = v["max_abs"], v["kurtosis"]
     return out
+
+
+def _training(extra: dict) -> dict | None:
+    """What a checkpoint says of its own training (quantgate train records it; other checkpoints: None)."""
+    if extra.get("trained_by") != "quantgate train":
+        return None
+    return {"steps": extra.get("steps"), "corpus": extra.get("corpus"), **(extra.get("recipe") or {})}
+
+
+def _training_lines(rep: dict) -> list[str]:
+    tr = rep.get("training") or {}
+    lines = []
+    for t, r in tr.items():
+        if not r:
+            lines.append(f"{t}: not trained by quantgate (no recipe recorded).")
+            continue
+        tokens = f", {r['tokens'] / 1e6:.2f}M tokens" if r.get("tokens") else ""
+        extra = ", ".join(f"{k} {r[k]}" for k in ("batch_size", "ctx", "lr", "warmup", "weight_decay") if k in r)
+        lines.append(f"{t}: {r.get('steps')} steps{tokens} on {r.get('corpus')}" + (f" ({extra})" if extra else "") + ".")
+    if rep["settings"].get("recipe_note"):
+        lines.append(rep["settings"]["recipe_note"])
+    return lines
 
 
 def build_report(s: ReportSettings, analysis: dict, cells: dict, timings: dict, plot_files: list) -> dict:
@@ -479,6 +503,7 @@ def render_markdown(rep: dict) -> str:
              f"quantgate {rep['quantgate_version']}, {rep['created']}, {rep['machine']['processor']}; data `{s['data']}`, "
              f"{s['windows']} held-out windows x {s['ctx']} tokens.", "", "## Conclusion", ""]
     lines += [f"- {c}" for c in rep["conclusion"]]
+    lines += ["", "## How the twins were trained", ""] + [f"- {t}" for t in _training_lines(rep)]
     lines += ["", "## Accuracy, size and speed", "", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(_fmt(v, i) for i, v in enumerate(r)) + " |" for r in _rows(rep)]
     lines += ["", "## Outliers per layer", ""]
@@ -510,6 +535,7 @@ def render_html(rep: dict) -> str:
     body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(v, i))}</td>" for i, v in enumerate(r)) + "</tr>"
                    for r in _rows(rep))
     concl = "".join(f"<li>{html.escape(c)}</li>" for c in rep["conclusion"])
+    trained = "".join(f"<li>{html.escape(t)}</li>" for t in _training_lines(rep))
     outl = ""
     for t, o in rep["outliers"].items():
         keys = ("o_proj_inf_norm", "o_proj_kurtosis", "down_proj_inf_norm", "down_proj_kurtosis")
@@ -530,6 +556,7 @@ font-size:13px}}td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}i
 <p>{html.escape(s['baseline'])} vs {html.escape(s['gated'])}; quantgate {html.escape(rep['quantgate_version'])},
 {html.escape(rep['created'])}, data <code>{html.escape(s['data'])}</code>, {s['windows']} windows x {s['ctx']} tokens.</p>
 <h2>Conclusion</h2><ul>{concl}</ul>
+<h2>How the twins were trained</h2><ul>{trained}</ul>
 <h2>Accuracy, size and speed</h2><table><tr>{head}</tr>{body}</table>
 <h2>Outliers per layer</h2>{outl}
 <h2>Plots</h2>{imgs}

@@ -278,7 +278,9 @@ def train(tc: TrainConfig, out: str | Path, resume: bool = False) -> dict[str, P
     outputs = {}
     if di.main:
         for k, m in models.items():
+            recipe = {f: getattr(tc, f) for f in ("batch_size", "ctx", "lr", "warmup", "weight_decay", "seed")}
             m.cfg.extra = {**m.cfg.extra, "trained_by": "quantgate train", "role": k, "steps": tc.steps,
+                           "recipe": {**recipe, "tokens": tc.steps * tc.batch_size * (tc.ctx - 1)},
                                 "corpus": corpus.source, "corpus_fingerprint": corpus.fingerprint}
             outputs[k] = save_checkpoint(m.cpu().eval(), out / k, tok)
     if di.world > 1:

@@ -62,6 +62,10 @@ def test_demo_fast_trains_and_evaluates_twins(tmp_path):
     rep = json.loads((out / "report" / "report.json").read_text())
     assert {"torch/gated/w4a16-g32", "onnx/gated/int4", "gguf/gated/Q4_K_M"} <= set(rep["cells"])
     assert summary["generation"]["new_tokens"] > 0 and summary["generation"]["backend"].startswith("llama.cpp")
+    trained = rep["training"]["gated"]  # the report says how the twins were trained, and why
+    assert trained["steps"] == summary["recipe"]["steps"] and trained["lr"] == summary["recipe"]["lr"]
+    md = (out / "report" / "report.md").read_text()
+    assert f"gated: {trained['steps']} steps" in md and summary["recipe_note"] in md
     again = run_cli("demo", "--fast", "--out", str(out), timeout=900)  # finished stages are reused
     assert again.returncode == 0 and "reusing" in again.stderr
     assert json.loads((out / "summary.json").read_text())["eval"] == summary["eval"]
