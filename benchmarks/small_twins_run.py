@@ -1,7 +1,8 @@
-"""What one `small` twin pair costs on this machine: the demo's training recipe, timed end to end.
+"""What `quantgate demo` costs on this machine: the whole command and its `small` twin training, timed.
 
-Runs `quantgate demo` (or reads a finished demo directory with --from DIR) and writes the wall time of
-training, the measured tokens/s, and the held-out perplexities of both twins.
+Runs `quantgate demo` as a user would, timed end to end (or reads a finished demo directory with --from DIR),
+and writes the wall time against the 20-minute goal, the stage times, peak memory, the measured training
+tokens/s and the held-out perplexities of both twins.
 
     python benchmarks/small_twins_run.py [--out-dir quantgate-demo] [--from DIR]
 """
@@ -11,9 +12,15 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
+
+GOAL_S = 20 * 60  # issue 6: the whole demo in <= 20 minutes on a 2-core CPU
 
 
 def main() -> None:
@@ -23,11 +30,13 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "small_twins_run.json"))
     args = ap.parse_args()
     run_dir = Path(args.existing or args.out_dir)
-    if not args.existing:
-        from quantgate.demo import run_demo
+    wall = None
+    if not args.existing:  # the command a user runs, timed end to end (imports and start-up included)
         t = time.time()
-        run_demo(run_dir)
-        print(f"demo wall time {time.time() - t:.0f} s")
+        subprocess.run([sys.executable, "-m", "quantgate.cli", "demo", "--out", str(run_dir.resolve())],
+                       check=True, cwd=tempfile.gettempdir())
+        wall = round(time.time() - t, 1)
+        print(f"demo wall time {wall:.0f} s")
     summary = json.loads((run_dir / "summary.json").read_text())
     log = json.loads((run_dir / "state" / "train_log.json").read_text())
     run = json.loads((run_dir / "state" / "run.json").read_text())
@@ -42,6 +51,8 @@ def main() -> None:
         "final_train_loss": log[-1]["loss"],
         "held_out": {k: {"ppl": round(v["ppl"], 3), "tokens": v["n_tokens"]} for k, v in summary["eval"].items()},
         "stage_seconds": summary["stage_seconds"],
+        "demo_wall_s": wall, "goal_s": GOAL_S, "meets_goal": None if wall is None else wall <= GOAL_S,
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024) if wall else None,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
     }
     print(json.dumps(result, indent=2))
