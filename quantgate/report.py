@@ -35,6 +35,9 @@ DEFAULT_SCHEMES = {
 GATED_ONLY = ("w4a16-g32-gate8", "int4+gate8", "Q4_K_M+gate8")
 
 
+TIE_RATIO = 1.02  # KLDs within 2% of each other are called a tie, not a win (well inside run-to-run noise)
+
+
 def gated_only(scheme: str) -> bool:
     """Gate-aware schemes (gate rows kept at 8 bits) have nothing to keep in the baseline."""
     return scheme.endswith("gate8")
@@ -388,7 +391,7 @@ def conclusion(rep: dict) -> list[str]:
         else "at least one layer puts most of its attention on BOS"
     lines.append(f"Attention on BOS, worst layer (head mean): baseline {b['bos_attention_max_layer_mean']:.3f} vs gated "
                  f"{g['bos_attention_max_layer_mean']:.3f} (uniform {uni:.3f}): {sink}.")
-    wins = {"baseline": 0, "gated": 0}
+    wins = {"baseline": 0, "gated": 0, "tie": 0}
     for key, cell in rep["cells"].items():
         backend, twin, scheme = key.split("/")
         if twin != "gated" or scheme in GATED_ONLY or scheme in ("fp32", "F16"):
@@ -399,21 +402,24 @@ def conclusion(rep: dict) -> list[str]:
         kb, kg = other["kld_mean"], cell["kld_mean"]
         if kb <= 0 or kg <= 0:
             continue
-        better = "gated" if kg < kb else "baseline"
+        ratio = max(kb, kg) / min(kb, kg)
+        better = "tie" if ratio < TIE_RATIO else "gated" if kg < kb else "baseline"
         wins[better] += 1
-        lines.append(f"{backend} {scheme}: the {better} twin loses less (KLD {kb:.5f} baseline vs {kg:.5f} gated, "
-                     f"{max(kb, kg) / min(kb, kg):.2f}x; delta ppl {other['delta_ppl_pct']:+.2f}% vs "
-                     f"{cell['delta_ppl_pct']:+.2f}%).")
+        verdict = (f"the twins lose the same within {TIE_RATIO - 1:.0%}" if better == "tie"
+                   else f"the {better} twin loses less")
+        lines.append(f"{backend} {scheme}: {verdict} (KLD {kb:.5f} baseline vs {kg:.5f} gated, "
+                     f"{ratio:.2f}x; delta ppl {other['delta_ppl_pct']:+.2f}% vs {cell['delta_ppl_pct']:+.2f}%).")
     for plain, aware in (("w4a16-g32", "w4a16-g32-gate8"), ("int4", "int4+gate8"), ("Q4_K_M", "Q4_K_M+gate8")):
         for backend in ("torch", "onnx", "gguf"):
             p, a = rep["cells"].get(f"{backend}/gated/{plain}"), rep["cells"].get(f"{backend}/gated/{aware}")
             if p and a:
                 lines.append(f"{backend}: keeping the gate at 8 bits under {plain} changes the gated twin's KLD from "
                              f"{p['kld_mean']:.5f} to {a['kld_mean']:.5f}.")
-    total = wins["baseline"] + wins["gated"]
+    total = sum(wins.values())
     if total:
+        ties = f", {wins['tie']} within {TIE_RATIO - 1:.0%}" if wins["tie"] else ""
         lines.insert(2, f"Across {total} quantized configurations the gated twin loses less in {wins['gated']} and the "
-                        f"baseline in {wins['baseline']} (KL divergence against each twin's own float model).")
+                        f"baseline in {wins['baseline']}{ties} (KL divergence against each twin's own float model).")
     for t, link in rep["link"].items():
         if link:
             r = link["pearson_log_infnorm_vs_sqnr"]
