@@ -22,7 +22,8 @@ from .train import TrainConfig, train
 DEMO_RECIPES = {
     # 1200 steps x 8 x 256 (2.4M tokens) is what fits the 20-minute demo on 2 cores beside the report.
     # lr 6e-3 and weight decay 0.5 won benchmarks/results/demo_recipe.md at that budget: the largest BOS
-    # attention share of the recipes tried (0.152 baseline vs 0.069 gated) and a 1.8x gap in max |h|.
+    # attention share of the recipes tried (0.152 baseline vs 0.069 gated) and a 1.8x gap in max |h|;
+    # the demo's own run of it (2 threads) did not repeat the BOS gap: one run per recipe is all we had.
     "full": dict(preset="small", steps=1200, batch_size=8, ctx=256, lr=6e-3, warmup=100, weight_decay=0.5),
     "fast": dict(preset="tiny", steps=150, batch_size=8, ctx=128, lr=3e-3, warmup=20, weight_decay=0.1,
                  vocab_size=512, max_chars=2_000_000),

@@ -32,10 +32,9 @@ DEFAULT_SCHEMES = {
     "onnx": ["fp32", "int8-dynamic", "int8-static", "int4", "int4+gate8"],
     "gguf": ["F16", "Q8_0", "Q4_K_M", "Q4_K_M+gate8", "Q2_K", "kv-q8_0", "kv-q4_0"],
 }
-GATED_ONLY = ("w4a16-g32-gate8", "int4+gate8", "Q4_K_M+gate8")
-
-
-TIE_RATIO = 1.02  # KLDs within 2% of each other are called a tie, not a win (well inside run-to-run noise)
+# KLDs within 2% of each other are called a tie, not a win: the twins' KLD ratios that separate demo training
+# runs produced ranged 1.03x-1.45x, and which configurations one twin won changed between runs.
+TIE_RATIO = 1.02
 
 
 def gated_only(scheme: str) -> bool:
@@ -192,6 +191,7 @@ def check_settings(s: ReportSettings) -> None:
                 aware = " (or a 2- to 6-bit type with +gate8)" if backend == "gguf" else ""
                 raise QuantgateError(f"unknown {backend} scheme {scheme!r}; choose from {listed}{aware}")
     check_output_dir(s.out)
+
 
 def _cached(path: Path, key: str, compute, label: str, timings: dict) -> dict:
     if path.is_file():
@@ -394,7 +394,7 @@ def conclusion(rep: dict) -> list[str]:
     wins = {"baseline": 0, "gated": 0, "tie": 0}
     for key, cell in rep["cells"].items():
         backend, twin, scheme = key.split("/")
-        if twin != "gated" or scheme in GATED_ONLY or scheme in ("fp32", "F16"):
+        if twin != "gated" or gated_only(scheme) or scheme in ("fp32", "F16"):
             continue
         other = rep["cells"].get(f"{backend}/baseline/{scheme}")
         if not other or other.get("kld_mean") is None or cell.get("kld_mean") is None:
