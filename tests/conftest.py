@@ -79,6 +79,19 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict |
                           cwd=cwd or tempfile.gettempdir(), timeout=timeout, env=e)
 
 
+def save_tiny_twins(d: Path, text_name: str = "text.txt") -> Path:
+    """Tiny baseline/gated twins (head_dim 32, so llama.cpp's quantized KV cache takes them) with a byte
+    tokenizer, saved under d/baseline and d/gated beside a short code text: the bad-input tests' inputs."""
+    from quantgate.checkpoint import save_checkpoint
+    from quantgate.model import make_twins, preset
+    from quantgate.tokenizer import byte_tokenizer
+    b, g = make_twins(preset("tiny", vocab_size=300, head_dim=32), "elementwise", seed=0)
+    save_checkpoint(b, d / "baseline", byte_tokenizer())
+    save_checkpoint(g, d / "gated", byte_tokenizer())
+    (d / text_name).write_text("def f(x):\n    return x * 2\n" * 400)
+    return d
+
+
 def dir_snapshot(path: Path) -> dict:
     """{relative path: (size, mtime_ns)} for every file below path: to show nothing was written or changed."""
     return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)

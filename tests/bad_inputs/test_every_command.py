@@ -4,19 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import dir_snapshot, run_cli
-from quantgate.checkpoint import save_checkpoint
-from quantgate.model import make_twins, preset
-from quantgate.tokenizer import byte_tokenizer
+from conftest import dir_snapshot, run_cli, save_tiny_twins
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    d = tmp_path_factory.mktemp("every")
-    b, g = make_twins(preset("tiny", vocab_size=300, head_dim=32), "elementwise", seed=0)
-    save_checkpoint(b, d / "baseline", byte_tokenizer())
-    save_checkpoint(g, d / "gated", byte_tokenizer())
-    (d / "t.txt").write_text("def f(x):\n    return x * 2\n" * 300)
+    d = save_tiny_twins(tmp_path_factory.mktemp("every"), "t.txt")
     (d / "bin.txt").write_bytes(b"abc\x00\x01def" * 40)
     (d / "afile").write_text("a file where a folder must be\n")
     return d

@@ -11,19 +11,12 @@ import time
 
 import pytest
 
-from conftest import run_cli
-from quantgate.checkpoint import save_checkpoint
-from quantgate.model import make_twins, preset
-from quantgate.tokenizer import byte_tokenizer
+from conftest import run_cli, save_tiny_twins
 
 
 @pytest.fixture(scope="module")
 def twins(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sig")
-    b, g = make_twins(preset("tiny", vocab_size=300, head_dim=32), "elementwise", seed=0)
-    save_checkpoint(b, d / "baseline", byte_tokenizer())
-    save_checkpoint(g, d / "gated", byte_tokenizer())
-    (d / "text.txt").write_text("def f(x):\n    return x * 2\n" * 400)
+    d = save_tiny_twins(tmp_path_factory.mktemp("sig"))
     env = {**os.environ, "QUANTGATE_PROGRESS": "0"}
     for verb in (["onnx", "--out", str(d / "onnx")], ["gguf", "--out", str(d / "g.gguf")]):
         subprocess.run([sys.executable, "-m", "quantgate.cli", "export", verb[0], str(d / "gated"), *verb[1:]],
