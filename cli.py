@@ -13,13 +13,16 @@ import click
 
 from quantgate import __version__
 from quantgate.errors import QuantgateError
+from quantgate.fsio import interrupts
 
 
 class Terminated(BaseException):
     """SIGTERM, raised where the process is so that every atomic write below removes its temporary file."""
 
 
-_signalled: list[int] = []  # set by the handlers: some libraries (torch.export) turn an interrupt into their own error
+# Set by the handlers: some libraries turn an interrupt into their own error (torch.export) or swallow it;
+# the atomic writers read the same list and refuse to commit (quantgate.fsio.interrupts).
+_signalled: list[int] = interrupts
 
 
 def _on_signal(signum, frame):

@@ -86,6 +86,17 @@ def _reraise(e: BaseException, path: Path):
     raise err from None
 
 
+# Signals the CLI received (its handlers append here). A library may catch the KeyboardInterrupt a handler
+# raised and carry on; the atomic writers check this list before committing, so an interrupted command still
+# leaves nothing behind.
+interrupts: list[int] = []
+
+
+def _refuse_if_interrupted() -> None:
+    if interrupts:
+        raise KeyboardInterrupt()
+
+
 def _mkstemp(path: Path, parent: Path) -> tuple[int, str]:
     try:
         return tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
@@ -103,6 +114,7 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        _refuse_if_interrupted()
         os.chmod(tmp, _default_mode(False))
         os.replace(tmp, path)
     except BaseException as e:
@@ -131,6 +143,7 @@ def atomic_dir(path: Path | str) -> Iterator[Path]:
         raise QuantgateError(f"cannot write into {parent}: {e.strerror}") from None
     try:
         yield tmp
+        _refuse_if_interrupted()
         os.chmod(tmp, _default_mode(True))
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=parent))

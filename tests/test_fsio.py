@@ -47,3 +47,21 @@ def test_output_inside_input_is_refused(tmp_path):
     with pytest.raises(QuantgateError, match="overwrite the input"):
         check_not_input(tmp_path / "model" / "sub", tmp_path / "model")
     check_not_input(tmp_path / "other", tmp_path / "model")  # a sibling is fine
+
+
+@pytest.mark.parametrize("writer", ["file", "dir"])
+def test_a_signal_a_library_swallowed_still_stops_the_commit(tmp_path, writer):
+    from quantgate import fsio
+    target = tmp_path / "out"
+    fsio.interrupts.append(2)  # what the CLI's handler records before raising KeyboardInterrupt
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            if writer == "file":
+                with fsio.atomic_file(target) as f:
+                    f.write(b"complete")  # the library caught the interrupt and finished its work
+            else:
+                with fsio.atomic_dir(target) as d:
+                    (d / "x").write_bytes(b"complete")
+    finally:
+        fsio.interrupts.clear()
+    assert list(tmp_path.iterdir()) == []

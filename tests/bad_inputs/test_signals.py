@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -30,7 +31,14 @@ def _start(*args: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir(), env=env)
 
 
-def _interrupt(p: subprocess.Popen, sig: int, after: float) -> tuple[int, str]:
+def _interrupt(p: subprocess.Popen, sig: int, after: float, once_in: Path | None = None) -> tuple[int, str]:
+    """Signal `p` after `after` seconds, or (with `once_in`) as soon as a temporary output appears there: the
+    command is then surely mid-write, not still importing or already shutting down."""
+    if once_in is not None:
+        deadline = time.time() + 120
+        while not any(q.name.endswith(".tmp") for q in once_in.iterdir()) and time.time() < deadline:
+            assert p.poll() is None, p.communicate()[1][-2000:]
+            time.sleep(0.05)
     time.sleep(after)
     assert p.poll() is None, "the command finished before the signal: lengthen it"
     p.send_signal(sig)
@@ -41,7 +49,7 @@ def _interrupt(p: subprocess.Popen, sig: int, after: float) -> tuple[int, str]:
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_during_onnx_export_leaves_nothing(twins, tmp_path, sig, code):
     out = tmp_path / "onnx"
-    rc, err = _interrupt(_start("export", "onnx", str(twins / "gated"), "--out", str(out)), sig, 4.0)
+    rc, err = _interrupt(_start("export", "onnx", str(twins / "gated"), "--out", str(out)), sig, 0.5, tmp_path)
     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
     assert rc == code and len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []  # neither the output nor a temporary directory
