@@ -15,6 +15,7 @@ def work(tmp_path_factory):
     return d
 
 
+REPORT = ["report", "--models", "{d}/baseline", "{d}/gated"]  # the twins in the right order
 CASES = {
     "analyze missing model": (["analyze", "{d}/nothere", "--data", "{d}/t.txt"], "does not exist"),
     "analyze binary text": (["analyze", "{d}/gated", "--data", "{d}/bin.txt"], "binary"),
@@ -28,18 +29,13 @@ CASES = {
                                  "unknown scheme 'w9'"),
     "report twins swapped": (["report", "--models", "{d}/gated", "{d}/baseline", "--data", "{d}/t.txt",
                               "--out", "{out}/r"], "baseline (no gate) first"),
-    "report unknown backend": (["report", "--models", "{d}/baseline", "{d}/gated", "--backends", "tpu",
-                                "--out", "{out}/r"], "unknown backend 'tpu'"),
-    "report unknown gguf type": (["report", "--models", "{d}/baseline", "{d}/gated", "--schemes", "gguf:Q9_9",
-                                  "--out", "{out}/r"], "unknown gguf scheme 'Q9_9'"),
-    "report unknown torch scheme": (["report", "--models", "{d}/baseline", "{d}/gated", "--schemes",
-                                     "torch:w8a8", "--out", "{out}/r"], "unknown torch scheme 'w8a8'"),
-    "report malformed scheme item": (["report", "--models", "{d}/baseline", "{d}/gated", "--schemes", "int4",
-                                      "--out", "{out}/r"], "not backend:scheme"),
-    "report binary text": (["report", "--models", "{d}/baseline", "{d}/gated", "--data", "{d}/bin.txt",
-                            "--out", "{out}/r"], "binary"),
-    "report out is a file": (["report", "--models", "{d}/baseline", "{d}/gated", "--data", "{d}/t.txt",
-                              "--out", "{d}/afile"], "is a file"),
+    "report unknown backend": ([*REPORT, "--backends", "tpu", "--out", "{out}/r"], "unknown backend 'tpu'"),
+    "report unknown gguf type": ([*REPORT, "--schemes", "gguf:Q9_9", "--out", "{out}/r"], "unknown gguf scheme 'Q9_9'"),
+    "report unknown torch scheme": ([*REPORT, "--schemes", "torch:w8a8", "--out", "{out}/r"],
+                                    "unknown torch scheme 'w8a8'"),
+    "report malformed scheme item": ([*REPORT, "--schemes", "int4", "--out", "{out}/r"], "not backend:scheme"),
+    "report binary text": ([*REPORT, "--data", "{d}/bin.txt", "--out", "{out}/r"], "binary"),
+    "report out is a file": ([*REPORT, "--data", "{d}/t.txt", "--out", "{d}/afile"], "is a file"),
     "demo out is a file": (["demo", "--out", "{d}/afile"], "is a file"),
     "train out under a file": (["train", "--preset", "tiny", "--data", "{d}/t.txt", "--steps", "2",
                                 "--out", "{d}/afile/run"], "which is a file"),
