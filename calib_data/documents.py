@@ -9,8 +9,13 @@ SPLITS = ("train", "valid", "test")
 
 @dataclass(frozen=True)
 class Document:
+    """One text, or one piece of a longer text: pieces of the same `source` with consecutive `part` numbers are
+    joined back into one text before tokenizing (a text file is cut into pieces only so that it can be split
+    into train/valid/test by piece)."""
     name: str
     text: str
+    source: str = ""   # the text this piece was cut from ("" for a document that stands alone)
+    part: int = 0
 
 
 @dataclass
@@ -40,6 +45,18 @@ class Corpus:
             raise ValueError(f"split must be one of {SPLITS + ('all',)}")
         docs = [d for d in self.documents if split_of(d.name, valid_frac, test_frac) == name]
         return Corpus(f"{self.source}[{name}]", docs)
+
+    def texts(self) -> list[str]:
+        """The corpus as the texts that are tokenized one by one: every standalone document, and every run of
+        consecutive pieces of one source joined back into the text they were cut from."""
+        out, prev = [], None
+        for d in self.documents:
+            if prev is not None and d.source and d.source == prev.source and d.part == prev.part + 1:
+                out[-1] += d.text
+            else:
+                out.append(d.text)
+            prev = d
+        return out
 
 
 def split_of(doc_name: str, valid_frac: float, test_frac: float) -> str:

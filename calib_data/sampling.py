@@ -12,7 +12,8 @@ from .documents import Corpus
 
 @dataclass
 class TokenStream:
-    """All documents of a corpus tokenized and joined, EOS after each document."""
+    """A corpus tokenized text by text (Corpus.texts: whole files, articles, documents) and joined with one EOS
+    between consecutive texts: a single text file is exactly its own tokens."""
     ids: np.ndarray  # int64, 1-D
     bos_id: int
     source: str
@@ -25,8 +26,8 @@ class TokenStream:
 def tokenize_corpus(corpus: Corpus, tokenizer) -> TokenStream:
     if not corpus.documents:
         raise QuantgateError(f"{corpus.source}: no documents to tokenize")
-    encoded = tokenizer.encode_batch([d.text for d in corpus.documents])
-    parts = [np.asarray(e + [tokenizer.eos_id], dtype=np.int64) for e in encoded]
+    encoded = tokenizer.encode_batch(corpus.texts())
+    parts = [np.asarray(([tokenizer.eos_id] if i else []) + e, dtype=np.int64) for i, e in enumerate(encoded)]
     return TokenStream(np.concatenate(parts), tokenizer.bos_id, corpus.source, corpus.fingerprint)
 
 

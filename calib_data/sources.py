@@ -49,6 +49,18 @@ def load_corpus(spec: str | Path, max_chars: int | None = None) -> Corpus:
     return Corpus(s, docs)
 
 
+def data_paths(spec: str | Path | None) -> list[Path]:
+    """The files and folders on disk that a `--data` value reads: the inputs an output must never overwrite."""
+    if spec is None or str(spec) in EMBEDDED_NAMES:
+        return []
+    s = str(spec)
+    if Path(s).exists():
+        return [Path(s)]
+    if any(ch in s for ch in "*?["):
+        return sorted(Path(p) for p in glob.glob(s, recursive=True))
+    return []
+
+
 def read_text_file(path: Path) -> str:
     """Strict UTF-8 read with one clear error line for binary, non-UTF-8 and empty files."""
     try:
@@ -71,14 +83,15 @@ def file_documents(path: Path) -> list[Document]:
 
 
 def text_documents(name: str, text: str) -> list[Document]:
-    """WikiText-style text splits at its ` = Title = ` headings; other text into ~4k-char chunks."""
+    """WikiText-style text splits at its ` = Title = ` headings into articles (documents of their own); other
+    text into ~4k-character pieces of one source, which are joined back whenever consecutive pieces are read
+    together (so a whole file is tokenized as one text; the pieces only let a split take part of it)."""
     starts = [m.start() for m in _WIKI_HEADING.finditer(text)]
     if len(starts) >= 2:
         bounds = ([0] if starts[0] > 0 else []) + starts + [len(text)]
         pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
-    else:
-        pieces = _chunk(text)
-    return [Document(f"{name}#{i}", p) for i, p in enumerate(pieces) if p.strip()]
+        return [Document(f"{name}#{i}", p) for i, p in enumerate(pieces) if p.strip()]
+    return [Document(f"{name}#{i}", p, source=name, part=i) for i, p in enumerate(p for p in _chunk(text) if p)]
 
 
 def _chunk(text: str) -> list[str]:
@@ -130,7 +143,11 @@ def hf_dataset_documents(path: Path, column: str = "text") -> list[Document]:
     for split, d in parts:
         if column not in d.column_names:
             raise QuantgateError(f"{path} [{split}]: no '{column}' column (has {d.column_names})")
-        text = "\n".join(t for t in d[column] if t is not None)
+        rows = d[column]
+        bad = next((type(t).__name__ for t in rows if t is not None and not isinstance(t, str)), None)
+        if bad:
+            raise QuantgateError(f"{path} [{split}]: the '{column}' column holds {bad} values, not text")
+        text = "\n".join(t for t in rows if t is not None)
         docs += text_documents(f"{path.name}/{split}", text)
     if not docs:
         raise QuantgateError(f"{path}: the dataset holds no text")

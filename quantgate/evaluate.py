@@ -7,6 +7,7 @@ same code, so their numbers compare with PyTorch's and with transformers'.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -60,7 +61,9 @@ def perplexity(runner: Runner, windows: np.ndarray, batch: int = 4) -> Perplexit
     total, count = 0.0, 0
     for i in track(range(0, len(windows), batch), f"eval {runner.name}", total=math.ceil(len(windows) / batch)):
         w = windows[i:i + batch]
-        nll = token_nll(runner.logits(w), w)
+        lg = runner.logits(w)
+        check_finite(lg, runner.name)
+        nll = token_nll(lg, w)
         total += float(nll.sum())
         count += nll.size
     mean = total / count
@@ -85,29 +88,37 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quantgate"
 
 
-def _model_key(path: str) -> str:
-    """Identity of a model directory's contents: file names, sizes and modification times."""
-    h = hashlib.sha256()
-    files = [Path(path)] if Path(path).is_file() else sorted(Path(path).iterdir())
-    for f in files:
-        if f.is_file():
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
-    return h.hexdigest()[:16]
-
-
 def reference_logits(ref_path: str, windows: np.ndarray, data_key: str) -> np.ndarray:
-    """fp32 PyTorch logits of the reference on these windows, computed once and cached on disk."""
+    """fp32 PyTorch logits of the reference on these windows, computed once and cached on disk under a key of
+    the reference's contents, the windows' tokens and the code (quantgate.identity)."""
     from .checkpoint import load_checkpoint
-    key = hashlib.sha256(f"{_model_key(ref_path)}|{data_key}|{windows.shape}|"
-                         f"{hashlib.sha256(windows.tobytes()).hexdigest()}".encode()).hexdigest()[:24]
-    path = cache_dir() / f"ref-logits-{key}.npy"
+    from .identity import code_id, content_id, key
+    k = key("ref-logits", content_id(ref_path), code_id(), data_key, list(windows.shape),
+            hashlib.sha256(windows.tobytes()).hexdigest())
+    path = cache_dir() / f"ref-logits-{k}.npy"
     if path.is_file():
-        return np.load(path, mmap_mode="r")
+        with contextlib.suppress(ValueError, OSError):  # a torn or foreign cache file is recomputed
+            cached = np.load(path, mmap_mode="r")
+            if cached.shape[:2] == windows.shape:
+                return cached
     logits = TorchRunner(load_checkpoint(ref_path).model, name="reference").logits(windows)
+    check_finite(logits, f"the reference {ref_path}")
     with atomic_file(path) as f:
         np.save(f, logits.astype(np.float32))
     return np.load(path, mmap_mode="r")
+
+
+def check_finite(logits: np.ndarray, who: str) -> None:
+    """NaN or Inf logits mean non-finite weights (or activations that overflowed): never a perplexity."""
+    if not np.isfinite(logits).all():
+        raise QuantgateError(f"{who} produced NaN or Inf logits: its weights or activations are not finite")
+
+
+def check_ctx(ctx: int, context: int, model_path) -> None:
+    """One rule on every backend: a window longer than the model's own context is refused, not extrapolated."""
+    if ctx > context:
+        raise QuantgateError(f"--ctx {ctx} is longer than {model_path}'s context of {context} tokens "
+                             f"(its max_position_embeddings / context_length); use --ctx {context} or less")
 
 
 def tokenizers_match(a, b, sample: str) -> bool:
@@ -123,31 +134,40 @@ def tokenizers_match(a, b, sample: str) -> bool:
 def open_model(model_path: str, device: str = "cpu", torchao: str | None = None, kv_type: str = "f32",
                ctx: int = 256, threads: int | None = None):
     """(runner, tokenizer, backend name, extra) for a model directory (PyTorch), a .gguf file (llama.cpp) or an
-    ONNX export (ONNX Runtime)."""
+    ONNX export (ONNX Runtime). Windows of `ctx` tokens must fit the model's context; weights must be finite."""
     if str(model_path).lower().endswith(".gguf"):
-        from .gguf_file import open_reader, tokenizer_from_gguf
+        from .gguf_file import check_finite_weights, inspect_gguf, open_reader, tokenizer_from_gguf
         from .llama_runner import LlamaRunner
         if torchao:
             raise QuantgateError("--torchao applies to PyTorch model directories, not GGUF files")
+        check_ctx(ctx, inspect_gguf(model_path).context_length, model_path)
+        check_finite_weights(model_path)
         tok = tokenizer_from_gguf(open_reader(model_path))
-        runner = LlamaRunner(model_path, n_ctx=max(ctx, 8), kv_type=kv_type, threads=threads)
+        runner = LlamaRunner(model_path, n_ctx=ctx, kv_type=kv_type, threads=threads, device=device)
         return runner, tok, f"llama.cpp:{runner.info.file_type}", {"kv_type": kv_type, "gguf_bytes": runner.info.n_bytes}
     from .onnx_weights import is_onnx
     if is_onnx(model_path):
+        from .onnx_weights import check_finite_initializers, onnx_context
         from .ort_runner import OrtRunner, read_meta, resolve_onnx
         from .tokenizer import load_tokenizer
         if torchao:
             raise QuantgateError("--torchao applies to PyTorch model directories, not ONNX exports")
-        _, model_dir = resolve_onnx(model_path)
+        onnx_path, model_dir = resolve_onnx(model_path)
         meta = read_meta(model_dir)
-        tok = load_tokenizer(model_dir, meta.get("bos_id"), meta.get("eos_id"))
+        check_ctx(ctx, onnx_context(model_dir), model_path)
         runner = OrtRunner(model_path, device, threads)
+        check_finite_initializers(onnx_path)
+        tok = load_tokenizer(model_dir, meta.get("bos_id"), meta.get("eos_id"))
+        if tok.vocab_size > (runner.vocab_size or tok.vocab_size):
+            raise QuantgateError(f"{model_dir}/tokenizer.json has {tok.vocab_size} tokens but the graph's logits have "
+                                 f"only {runner.vocab_size} (tokenizer/vocab mismatch)")
         scheme = (meta.get("quantization") or {}).get("scheme") or meta.get("dtype", "fp32")
         return runner, tok, f"onnxruntime:{scheme}", {"onnx_bytes": runner.path.stat().st_size}
     from .checkpoint import load_checkpoint
     loaded = load_checkpoint(model_path)
     if loaded.tokenizer is None:
         raise QuantgateError(f"{model_path}: no tokenizer.json, cannot tokenize evaluation text")
+    check_ctx(ctx, loaded.model.cfg.max_seq_len, model_path)
     model, backend = loaded.model, "torch"
     if torchao:
         from .torchao_backend import quantize_torchao_
@@ -158,8 +178,8 @@ def open_model(model_path: str, device: str = "cpu", torchao: str | None = None,
 def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
                    max_windows: int | None = None, device: str = "cpu", reference: str | None = None,
                    torchao: str | None = None, kv_type: str = "f32", threads: int | None = None) -> dict:
-    """Perplexity of a model directory or GGUF file on a text source; with `reference`, also KL divergence
-    and top-1 agreement against the reference's fp32 PyTorch logits on the same windows, and the
+    """Perplexity of a model directory, GGUF file or ONNX export on a text source; with `reference`, also KL
+    divergence and top-1 agreement against the reference's fp32 PyTorch logits on the same windows, and the
     perplexity delta."""
     from .calib_data import load_corpus, tokenize_corpus
     from .checkpoint import load_checkpoint
@@ -181,6 +201,7 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
         if reference is None:
             return {**out, **perplexity(runner, windows).to_dict()}
         ref = load_checkpoint(reference, with_tokenizer=True)
+        check_ctx(ctx, ref.model.cfg.max_seq_len, reference)
         sample = corpus.documents[0].text[:20000]
         if ref.tokenizer is not None and not tokenizers_match(ref.tokenizer, tok, sample):
             raise QuantgateError(f"{reference} and {model_path} use different tokenizers: their logits do not compare")
@@ -208,6 +229,7 @@ def compare_to_reference(runner: Runner, ref_logits: np.ndarray, windows: np.nda
                    total=-(-len(windows) // batch)):
         w = windows[i:i + batch]
         lg, rl = runner.logits(w), np.asarray(ref_logits[i:i + batch])
+        check_finite(lg, runner.name)
         nll.append(token_nll(lg, w).reshape(-1))
         ref_nll.append(token_nll(rl, w).reshape(-1))
         kld.append(position_kld(rl, lg).reshape(-1))

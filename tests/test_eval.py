@@ -49,6 +49,37 @@ def test_eval_cli_equals_transformers(tmp_path):
         assert abs(ours["ppl"] - ref) / ref < 1e-5, (ours["ppl"], ref)
 
 
+def test_eval_of_a_long_text_file_equals_transformers_on_the_file_tokenized_whole(tmp_path):
+    """README convention: a plain text file is one text, tokenized whole, cut into consecutive windows of ctx-1
+    tokens with BOS in front. A multi-paragraph file of more than 8k characters (Python's own licence, held out
+    from the embedded corpus) must give transformers' perplexity to 1e-5 with a BPE tokenizer, where cutting the
+    file into pieces would change the tokens at every cut."""
+    import sysconfig
+    from pathlib import Path
+
+    from transformers import PreTrainedTokenizerFast
+
+    from quantgate.tokenizer import train_bpe
+    lic = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
+    text = lic.read_text() if lic.is_file() else "".join(f"Paragraph {i}: " + "the gate, the sink. " * 30 + "\n\n"
+                                                          for i in range(40))
+    assert len(text) > 8000 and text.count("\n\n") > 10
+    d = tmp_path / "m"
+    hf = make_hf_qwen3()
+    hf.save_pretrained(d)
+    tok = train_bpe([open(torch.__file__).read()], 300)  # trained on other text: the licence stays held out
+    tok.save(d)
+    (tmp_path / "licence.txt").write_text(text)
+    r = run_cli("eval", str(d), "--data", str(tmp_path / "licence.txt"), "--ctx", "64", "--json")
+    assert r.returncode == 0, r.stderr
+    ours = json.loads(r.stdout)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"))
+    ids = hf_tok(text, add_special_tokens=False)["input_ids"]
+    assert ours["n_tokens"] == (len(ids) // 63) * 63
+    ref = transformers_ppl(hf, ids, 64, tok.bos_id)
+    assert abs(ours["ppl"] - ref) / ref < 1e-5, (ours["ppl"], ref)
+
+
 def test_eval_windows_convention():
     ids = np.arange(10, 30)
     w = eval_windows(ids, ctx=6, bos_id=0)
