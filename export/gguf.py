@@ -19,7 +19,7 @@ import torch
 
 from quantgate import __version__
 from quantgate.errors import QuantgateError
-from quantgate.fsio import atomic_path, check_not_input
+from quantgate.fsio import atomic_path, check_output
 from quantgate.layouts import _fuse_interleaved
 from quantgate.model import Model, ModelConfig
 from quantgate.tokenizer import Tokenizer
@@ -206,6 +206,27 @@ def expected_tensor_names(arch: str, n_layers: int, tied: bool, identity: int) -
     return names
 
 
+def expected_tensor_shapes(arch: str, n_layers: int, identity: int, hp: dict) -> dict[str, tuple]:
+    """Tensor name -> PyTorch-order shape ([out, in]) that the header's hyperparameters imply (`hp`: vocab, dim,
+    heads, kv_heads, head_dim, ffn, and ssm_* for the identity layers): what the exporter writes, so a reader can
+    refuse a file whose tensors disagree with its header before llama.cpp sees it."""
+    V, D, H, KV, hd, F = (hp[k] for k in ("vocab", "dim", "heads", "kv_heads", "head_dim", "ffn"))
+    shapes = {"token_embd.weight": (V, D), "output_norm.weight": (D,), "output.weight": (V, D)}
+    q_rows = 2 * H * hd if arch == "qwen35" else H * hd
+    per_layer = {"attn_norm.weight": (D,), "attn_k.weight": (KV * hd, D), "attn_v.weight": (KV * hd, D),
+                 "attn_output.weight": (D, H * hd), "attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,),
+                 POST_ATTENTION_NORM[arch]: (D,), "ffn_gate.weight": (F, D), "ffn_up.weight": (F, D),
+                 "ffn_down.weight": (D, F), Q_TENSOR: (q_rows, D)}
+    shapes |= {f"blk.{i}.{n}": sh for i in range(n_layers) for n, sh in per_layer.items()}
+    for k in range(identity):
+        shape = IdentityLayerShape(hp["ssm_state"], hp["ssm_inner"], hp["ssm_heads"], hp["ssm_groups"], hp["ssm_conv"])
+        cfg = ModelConfig(vocab_size=V, dim=D, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=2, ffn_dim=F,
+                          bos_id=0, eos_id=0, pad_id=0)
+        with torch.device("meta"):
+            shapes |= {n: tuple(t.shape) for n, t in identity_recurrent_layer(cfg, shape, n_layers + k).items()}
+    return shapes
+
+
 # names (under blk.{L}.) of the identity recurrent layer's tensors, in the order they are written
 IDENTITY_TENSORS = ("attn_norm.weight", "post_attention_norm.weight", "attn_qkv.weight", "attn_gate.weight",
                     "ssm_conv1d.weight", "ssm_beta.weight", "ssm_alpha.weight", "ssm_dt.bias", "ssm_a",
@@ -250,7 +271,7 @@ def export_gguf(model: Model, tokenizer: Tokenizer | None, out: str | Path, outt
     arch = gguf_arch(cfg)
     if arch == "qwen3" and cfg.partial_rotary != 1.0:
         raise QuantgateError("llama.cpp's qwen3 rotates the whole head: a baseline with partial rotary cannot be exported")
-    check_not_input(out, *inputs)
+    check_output(out, "gguf", inputs)
     pre = tokenizer_pre(tokenizer)
     tok = tokenizer_fields(tokenizer, cfg.vocab_size)
     tensors = gguf_tensors(model)
@@ -259,7 +280,7 @@ def export_gguf(model: Model, tokenizer: Tokenizer | None, out: str | Path, outt
     for k in range(n_identity):
         tensors.update(identity_recurrent_layer(cfg, shape, cfg.n_layers + k))
 
-    with atomic_path(out) as tmp:
+    with atomic_path(out, "gguf") as tmp:
         w = gguf.GGUFWriter(path=str(tmp), arch=arch)
         w.add_name(name or out.stem)
         w.add_string("quantgate.version", __version__)
@@ -314,8 +335,10 @@ def export_checkpoint(model_path: str | Path, out: str | Path, outtype: str = "f
     from quantgate.checkpoint import load_checkpoint
     from quantgate.gguf_file import inspect_gguf
 
+    from quantgate.fsio import check_output
     if str(model_path).lower().endswith(".gguf"):
         raise QuantgateError(f"{model_path} is already a GGUF; quantize it with `quantgate quantize FILE.gguf --type ...`")
+    check_output(out, "gguf", (model_path,))
     loaded = load_checkpoint(model_path)
     cfg = loaded.model.cfg
     export_gguf(loaded.model, loaded.tokenizer, out, outtype, source_layout=loaded.layout,

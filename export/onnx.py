@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from quantgate import __version__
 from quantgate.errors import QuantgateError
-from quantgate.fsio import atomic_dir, check_not_input
+from quantgate.fsio import atomic_dir, check_output
 from quantgate.model import Model
 
 OPSETS = (23, 18)
@@ -182,9 +182,9 @@ def export_onnx(model: Model, tokenizer, out_dir: str | Path, opset: int = 23, g
         raise QuantgateError("this model carries a simulated PyTorch quantization scheme; export the float model and "
                              "quantize the ONNX file with `quantgate quantize DIR/model.onnx --scheme ...`")
     out_dir = Path(out_dir)
-    check_not_input(out_dir, *inputs)
+    check_output(out_dir, "onnx", inputs)
     lay = LAYOUTS[layout if layout in LAYOUTS else DEFAULT_LAYOUT_FOR_GATE[cfg.gate]]
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, "onnx") as tmp:
         if graph == "gqa" and opset != 23:
             raise QuantgateError("--graph gqa is built at opset 23 (RMSNormalization); drop --opset 18")
         if graph == "gqa" and (cfg.rotary_dim // 2) % 8:
@@ -210,7 +210,9 @@ def export_checkpoint(model_path: str | Path, out_dir: str | Path, opset: int = 
                       dtype: str = "fp32") -> dict:
     """`quantgate export onnx`: load any layout the loader reads (or a GGUF) and write the ONNX directory."""
     from quantgate.checkpoint import load_checkpoint
+    from quantgate.fsio import check_output
 
+    check_output(out_dir, "onnx", (model_path,))
     loaded = load_checkpoint(model_path)
     export_onnx(loaded.model, loaded.tokenizer, out_dir, opset, graph, dtype, layout=loaded.layout,
                 source=str(model_path), inputs=(model_path,))

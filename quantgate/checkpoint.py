@@ -8,6 +8,7 @@ from a user is never loaded.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from safetensors.torch import save_file
 
 from . import __version__
 from .errors import QuantgateError
-from .fsio import atomic_dir, check_not_input
+from .fsio import atomic_dir, check_output, read_json
 from .layouts import (DEFAULT_LAYOUT_FOR_GATE, GLOBAL_NAMES, LAYER_NAMES, LAYOUTS, Q_NAME, Layout,
                       detect_layout, is_norm)
 from .model import Model, ModelConfig
@@ -34,61 +35,149 @@ class Loaded:
 
 # --- config.json <-> ModelConfig --------------------------------------------------------------------
 
+class HFFields:
+    """Typed reads of config.json values: a wrong type or an out-of-range value is one error naming the field.
+
+    JSON from a user can hold anything; every value the loader uses passes through here first."""
+
+    def __init__(self, hf: dict, where: str):
+        self.hf, self.where = hf, where
+
+    def _bad(self, name: str, v, want: str) -> QuantgateError:
+        return QuantgateError(f"{self.where}: {name} must be {want}, got {json.dumps(v)[:60]}")
+
+    def int(self, name: str, default=None, lo: int = 1, hi: int = 1 << 40) -> int:
+        v = self.hf.get(name, default)
+        if v is None:
+            if default is None:
+                raise QuantgateError(f"{self.where}: {name} is missing")
+            v = default
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise self._bad(name, v, f"an integer in [{lo}, {hi}]")
+        return v
+
+    def float(self, name: str, default: float, hi: float = 1e30) -> float:
+        v = self.hf.get(name, default)
+        v = default if v is None else v
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= hi:
+            raise self._bad(name, v, f"a positive number up to {hi:g}")
+        return float(v)
+
+    def bool(self, name: str, default: bool) -> bool:
+        v = self.hf.get(name, default)
+        v = default if v is None else v
+        if not isinstance(v, bool):
+            raise self._bad(name, v, "true or false")
+        return v
+
+    def token(self, name: str, default: int | None) -> int | None:
+        v = self.hf.get(name, default)
+        if isinstance(v, list) and v:  # eos_token_id may be a list: the first is the one that ends a text
+            v = v[0]
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise self._bad(name, v, "a token id")
+        return v
+
+
+# Upper bounds far above any real model: past them a value is a typo or corruption, not a model.
+MAX_DIM, MAX_LAYERS, MAX_VOCAB, MAX_CONTEXT = 1 << 17, 1 << 12, 1 << 22, 1 << 24
+
+
 def config_from_hf(hf: dict, path: Path) -> tuple[ModelConfig, Layout]:
+    where = f"{path}/config.json"
+    if not isinstance(hf, dict):
+        raise QuantgateError(f"{where}: must hold a JSON object, got {type(hf).__name__}")
     layout_name = detect_layout(hf)
     if not layout_name:
-        raise QuantgateError(f"{path}/config.json: model_type {hf.get('model_type')!r} is not supported "
+        raise QuantgateError(f"{where}: model_type {json.dumps(hf.get('model_type'))[:40]} is not supported "
                              f"(supported: qwen3, qwen3 with attn_output_gate, qwen3_next)")
     layout = LAYOUTS[layout_name]
+    f = HFFields(hf, where)
+    L = f.int("num_hidden_layers", hi=MAX_LAYERS)
+    H = f.int("num_attention_heads", hi=MAX_DIM)
+    # absent fields take transformers' own defaults for that model_type
+    hd = f.int("head_dim", 256 if layout_name == "qwen3_next" else 128, hi=MAX_DIM)
+    if hf.get("rope_scaling"):
+        raise QuantgateError(f"{where}: rope_scaling {json.dumps(hf['rope_scaling'])[:60]} is not supported")
+    if hf.get("attention_bias") or hf.get("qkv_bias"):
+        raise QuantgateError(f"{where}: attention biases are not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise QuantgateError(f"{where}: hidden_act {json.dumps(hf['hidden_act'])[:40]} is not supported")
+    if layout_name == "qwen3_next":
+        _check_dense_full_attention(hf, L, path)
+        gate = "elementwise"
+    elif layout_name == "official":
+        gate = "headwise" if f.bool("headwise_attn_output_gate", False) else "elementwise"
+        f.bool("elementwise_attn_output_gate", False)
+    else:
+        gate = "none"
+    eos = f.token("eos_token_id", 1)
+    extra = hf.get("quantgate", {})
+    if not isinstance(extra, dict):
+        raise QuantgateError(f"{where}: the quantgate block must be a JSON object")
     try:
-        L = int(hf["num_hidden_layers"])
-        H = int(hf["num_attention_heads"])
-        # absent fields take transformers' own defaults for that model_type
-        hd = int(hf.get("head_dim") or (256 if layout_name == "qwen3_next" else 128))
-        if hf.get("rope_scaling"):
-            raise QuantgateError(f"{path}/config.json: rope_scaling {hf['rope_scaling']} is not supported")
-        if hf.get("attention_bias") or hf.get("qkv_bias"):
-            raise QuantgateError(f"{path}/config.json: attention biases are not supported")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise QuantgateError(f"{path}/config.json: hidden_act {hf['hidden_act']!r} is not supported")
-        if layout_name == "qwen3_next":
-            _check_dense_full_attention(hf, L, path)
-            gate = "elementwise"
-        elif layout_name == "official":
-            gate = "headwise" if hf.get("headwise_attn_output_gate") else "elementwise"
-        else:
-            gate = "none"
-        eos = hf.get("eos_token_id", 1)
-        eos = eos[0] if isinstance(eos, list) else eos
         cfg = ModelConfig(
-            vocab_size=int(hf["vocab_size"]), dim=int(hf["hidden_size"]), n_layers=L, n_heads=H,
-            n_kv_heads=int(hf.get("num_key_value_heads") or H), head_dim=hd,
-            ffn_dim=int(hf["intermediate_size"]), gate=gate, rope_theta=float(hf.get("rope_theta", 10000.0)),
-            partial_rotary=float(hf.get("partial_rotary_factor", 0.25)) if layout_name == "qwen3_next" else 1.0,
-            qk_norm=bool(hf.get("use_qk_norm", True)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-            bos_id=int(hf["bos_token_id"]) if hf.get("bos_token_id") is not None else int(eos),
-            eos_id=int(eos), pad_id=int(hf["pad_token_id"]) if hf.get("pad_token_id") is not None else int(eos),
-            extra={"source_layout": layout_name, **hf.get("quantgate", {})},
+            vocab_size=f.int("vocab_size", hi=MAX_VOCAB), dim=f.int("hidden_size", hi=MAX_DIM), n_layers=L, n_heads=H,
+            n_kv_heads=f.int("num_key_value_heads", H, hi=MAX_DIM), head_dim=hd,
+            ffn_dim=f.int("intermediate_size", hi=MAX_DIM * 8), gate=gate,
+            rope_theta=f.float("rope_theta", 10000.0),
+            partial_rotary=f.float("partial_rotary_factor", 0.25, hi=1.0) if layout_name == "qwen3_next" else 1.0,
+            qk_norm=f.bool("use_qk_norm", True), tie_embeddings=f.bool("tie_word_embeddings", False),
+            norm_eps=f.float("rms_norm_eps", 1e-6, hi=1.0),
+            max_seq_len=f.int("max_position_embeddings", 2048, hi=MAX_CONTEXT),
+            bos_id=f.token("bos_token_id", eos), eos_id=eos, pad_id=f.token("pad_token_id", eos),
+            extra={"source_layout": layout_name, **extra},
         )
-    except QuantgateError:
-        raise
-    except (KeyError, TypeError, ValueError) as e:
-        raise QuantgateError(f"{path}/config.json: missing or invalid field ({e})") from None
+    except ValueError as e:
+        raise QuantgateError(f"{where}: {e}") from None
     return cfg, layout
 
 
+def check_fits_in_memory(cfg: ModelConfig, where: str) -> None:
+    """Refuse, before allocating anything, a model whose fp32 weights (read once and held once while
+    loading) would not fit in the memory this machine has free."""
+    with torch.device("meta"):
+        n = Model(cfg).num_params()
+    need = 2 * 4 * n
+    avail = available_memory()
+    if avail is not None and need > avail:
+        raise QuantgateError(f"{where}: describes {n / 1e9:.2f}B parameters ({need / 2**30:.1f} GiB to load in "
+                             f"fp32), more than the {avail / 2**30:.1f} GiB of memory available")
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux MemAvailable), or None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def _check_dense_full_attention(hf: dict, L: int, path: Path) -> None:
+    where = f"{path}/config.json"
     types = hf.get("layer_types") or []
-    if len(types) != L or any(t != "full_attention" for t in types):
-        raise QuantgateError(f"{path}/config.json: only all-full-attention Qwen3-Next is supported "
-                             f"(layer_types has linear-attention layers)")
-    mlp_only = set(hf.get("mlp_only_layers") or [])
-    n_exp, step = int(hf.get("num_experts", 0) or 0), int(hf.get("decoder_sparse_step", 1) or 1)
-    moe = [i for i in range(L) if i not in mlp_only and n_exp > 0 and (i + 1) % step == 0]
+    if not isinstance(types, list) or len(types) != L or any(t != "full_attention" for t in types):
+        raise QuantgateError(f"{where}: only all-full-attention Qwen3-Next is supported "
+                             f"(layer_types must list {L} 'full_attention' layers; linear-attention hybrids are not "
+                             f"supported yet)")
+    mlp_only = hf.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):
+        raise QuantgateError(f"{where}: mlp_only_layers must be a list of layer indices")
+    f = HFFields(hf, where)
+    n_exp, step = f.int("num_experts", 0, lo=0), f.int("decoder_sparse_step", 1)
+    moe = [i for i in range(L) if i not in set(mlp_only) and n_exp > 0 and (i + 1) % step == 0]
     if moe:
-        raise QuantgateError(f"{path}/config.json: mixture-of-experts layers {moe} are not supported "
+        raise QuantgateError(f"{where}: mixture-of-experts layers {moe[:8]} are not supported "
                              f"(dense models only: mlp_only_layers must cover every layer)")
 
 
@@ -127,10 +216,11 @@ class TensorSource:
         self._handles: dict[Path, object] = {}
         index = path / "model.safetensors.index.json"
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise QuantgateError(f"{index}: not a valid safetensors index ({e})") from None
+            weight_map = read_json(index)
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) and Path(v).name == v for k, v in weight_map.items()):
+                raise QuantgateError(f"{index}: weight_map must map tensor names to shard file names in the folder")
             self.files = {name: path / f for name, f in weight_map.items()}
         else:
             files = sorted(path.glob("*.safetensors"))
@@ -159,6 +249,19 @@ class TensorSource:
     def names(self) -> set[str]:
         return set(self.files)
 
+    FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+
+    def header(self, name: str) -> tuple[tuple, str]:
+        """(shape, dtype) of a tensor from its file's header, without reading its data."""
+        if name not in self.files:
+            raise QuantgateError(f"tensor {name} is missing from the checkpoint")
+        f = self.files[name]
+        try:
+            sl = self._open(f).get_slice(name)
+            return tuple(sl.get_shape()), str(sl.get_dtype())
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise QuantgateError(f"{f}: cannot read tensor {name} ({str(e)[:100]})") from None
+
     def get(self, name: str) -> torch.Tensor:
         if name not in self.files:
             raise QuantgateError(f"tensor {name} is missing from the checkpoint")
@@ -179,34 +282,50 @@ def _expect(name: str, t: torch.Tensor, shape: tuple) -> torch.Tensor:
     return t
 
 
-def read_state_dict(src: TensorSource, cfg: ModelConfig, layout: Layout, model: Model) -> dict:
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    sd, used = {}, set()
+def tensor_plan(cfg: ModelConfig, layout: Layout, shapes: dict) -> dict[str, tuple[str | None, tuple]]:
+    """theirs (on-disk name) -> (ours, expected shape) for every tensor the layout stores; `shapes` are our
+    model's parameter shapes (from a meta-device model: nothing allocated)."""
     names = dict(GLOBAL_NAMES)
     if cfg.tie_embeddings:
         names.pop("lm_head.weight")
-        used.add("lm_head.weight")  # some tied checkpoints still carry a copy; it is ignored
     for i in range(cfg.n_layers):
         for ours, theirs in LAYER_NAMES.items():
             if not cfg.qk_norm and ("q_norm" in ours or "k_norm" in ours):
                 continue
             names[ours.format(i=i)] = theirs.format(i=i)
-    for ours, theirs in names.items():
-        t = _expect(theirs, src.get(theirs), shapes[ours])
-        sd[ours] = t + 1.0 if layout.zero_centred_norms and is_norm(ours) else t
-        used.add(theirs)
+    plan = {theirs: (ours, shapes[ours]) for ours, theirs in names.items()}
     for i in range(cfg.n_layers):
-        qname = Q_NAME.format(i=i)
-        w = _expect(qname, src.get(qname), (layout.q_rows(cfg), cfg.dim))
-        q, g = layout.split_q(w, cfg)
-        sd[f"layers.{i}.self_attn.q_proj.weight"] = q.contiguous()
-        if g is not None:
-            sd[f"layers.{i}.self_attn.g_proj.weight"] = g.contiguous()
-        used.add(qname)
-    extra = sorted(src.names() - used)
+        plan[Q_NAME.format(i=i)] = (None, (layout.q_rows(cfg), cfg.dim))
+    return plan
+
+
+def check_tensor_headers(src: TensorSource, cfg: ModelConfig, layout: Layout, plan: dict) -> None:
+    """Every tensor present with the shape and a float dtype config.json implies, nothing extra: checked
+    from the safetensors headers before a single weight is allocated."""
+    for theirs, (_ours, shape) in plan.items():
+        got, dtype = src.header(theirs)
+        if got != tuple(shape):
+            raise QuantgateError(f"tensor {theirs} has shape {got}, expected {tuple(shape)} (from config.json)")
+        if dtype not in TensorSource.FLOAT_DTYPES:
+            raise QuantgateError(f"tensor {theirs} has dtype {dtype}; quantgate reads float weights only")
+    extra = sorted(src.names() - set(plan) - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
     if extra:
         raise QuantgateError(f"unexpected tensor {extra[0]} (+{len(extra) - 1} more): the checkpoint does not "
                              f"match its config.json ({layout.description})")
+
+
+def read_state_dict(src: TensorSource, cfg: ModelConfig, layout: Layout, plan: dict) -> dict:
+    sd = {}
+    for theirs, (ours, shape) in plan.items():
+        t = _expect(theirs, src.get(theirs), shape)
+        if ours is not None:
+            sd[ours] = t + 1.0 if layout.zero_centred_norms and is_norm(ours) else t
+            continue
+        i = int(theirs.split(".")[2])  # model.layers.{i}.self_attn.q_proj.weight
+        q, g = layout.split_q(t, cfg)
+        sd[f"layers.{i}.self_attn.q_proj.weight"] = q.contiguous()
+        if g is not None:
+            sd[f"layers.{i}.self_attn.g_proj.weight"] = g.contiguous()
     return sd
 
 
@@ -250,20 +369,23 @@ def load_checkpoint(path: str | Path, with_tokenizer: bool = True) -> Loaded:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise QuantgateError(f"{path}: no config.json")
-    try:
-        hf = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise QuantgateError(f"{cfg_file}: not valid JSON ({e})") from None
+    hf = read_json(cfg_file)
     cfg, layout = config_from_hf(hf, path)
+    check_fits_in_memory(cfg, str(cfg_file))
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Model(cfg).state_dict().items()}
+    src = TensorSource(path)
+    plan = tensor_plan(cfg, layout, shapes)
+    check_tensor_headers(src, cfg, layout, plan)
+    sd = read_state_dict(src, cfg, layout, plan)
     model = Model(cfg)
-    sd = read_state_dict(TensorSource(path), cfg, layout, model)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:  # a mapping-table bug, not user error
         raise RuntimeError(f"internal mapping error: missing {missing}, unexpected {unexpected}")
     if "quant_scheme" in cfg.extra:
         from .quantize import apply_saved_quantization
-        apply_saved_quantization(model, cfg.extra)
+        apply_saved_quantization(model, cfg.extra, str(cfg_file))
     model.eval()
     tok = None
     if with_tokenizer and (path / "tokenizer.json").is_file():
@@ -296,9 +418,9 @@ def save_checkpoint(model: Model, out: str | Path, tokenizer: Tokenizer | None =
         raise QuantgateError(f"partial rotary ({cfg.partial_rotary}) can only be written in the qwen3_next layout")
     if name != "official" and not cfg.qk_norm:
         raise QuantgateError("a model without QK-norm can only be written in the official layout")
-    check_not_input(Path(out), *inputs)
+    check_output(out, "checkpoint", inputs)
     tensors = write_state_dict(model, lay)
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, "checkpoint") as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, lay), indent=2) + "\n")
         gen = {"bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "pad_token_id": cfg.pad_id}

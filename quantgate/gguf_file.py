@@ -40,6 +40,11 @@ class GGUFInfo:
     source_layout: str
     file_type: str  # llama.cpp's name for general.file_type, e.g. Q4_K_M
     n_bytes: int
+    ffn_dim: int = 0
+    rotary_dim: int = 0
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-6
+    context_length: int = 2048
     tensor_types: dict[str, str] = field(default_factory=dict)
     metadata: dict = field(default_factory=dict)
 
@@ -52,8 +57,45 @@ def _field(reader, key: str, default=None):
     f = reader.get_field(key)
     if f is None:
         return default
-    v = f.contents()
-    return v
+    try:
+        return f.contents()
+    except (ValueError, IndexError, UnicodeDecodeError) as e:  # e.g. a string that is not UTF-8
+        raise QuantgateError(f"{reader.data.filename}: metadata {key} cannot be read ({type(e).__name__})") from None
+
+
+class _Meta:
+    """Typed reads of GGUF metadata: a value of the wrong type or range is one error naming the key."""
+
+    def __init__(self, reader, path: Path):
+        self.reader, self.path = reader, path
+
+    def int(self, key: str, default=None, lo: int = 1, hi: int = 1 << 40) -> int:
+        v = _field(self.reader, key, default)
+        if v is None:
+            raise QuantgateError(f"{self.path}: metadata {key} is missing")
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise QuantgateError(f"{self.path}: metadata {key} = {str(v)[:40]} is not an integer in [{lo}, {hi}]")
+        return v
+
+    def float(self, key: str, default: float, hi: float = 1e30) -> float:
+        v = _field(self.reader, key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= hi:
+            raise QuantgateError(f"{self.path}: metadata {key} = {str(v)[:40]} is not a positive number")
+        return float(v)
+
+    def str(self, key: str, default: str | None = None) -> str | None:
+        v = _field(self.reader, key, default)
+        if v is not None and not isinstance(v, str):
+            raise QuantgateError(f"{self.path}: metadata {key} must be a string")
+        return v
+
+    def list(self, key: str, item: type) -> list | None:
+        v = _field(self.reader, key)
+        if v is None:
+            return None
+        if not isinstance(v, list) or not all(isinstance(x, item) and not isinstance(x, bool) for x in v):
+            raise QuantgateError(f"{self.path}: metadata {key} must be an array of {item.__name__}")
+        return v
 
 
 def open_reader(path: str | Path):
@@ -74,51 +116,84 @@ def open_reader(path: str | Path):
     except Exception as e:  # a parser of untrusted bytes: any failure means a malformed file
         raise QuantgateError(f"{path}: corrupt or truncated GGUF ({type(e).__name__}: {str(e)[:100]})") from None
     size = path.stat().st_size
+    from gguf.constants import GGML_QUANT_SIZES
     for t in reader.tensors:
         end = int(t.data_offset) + int(t.n_bytes)
         if end > size or t.data.nbytes != t.n_bytes:
             raise QuantgateError(f"{path}: truncated GGUF (tensor {t.name} ends at byte {end}, file has {size})")
+        if int(t.data_offset) % reader.alignment:
+            raise QuantgateError(f"{path}: tensor {t.name} is not aligned to {reader.alignment} bytes")
+        block = GGML_QUANT_SIZES[t.tensor_type][0]
+        if len(t.shape) == 0 or any(int(d) == 0 for d in t.shape) or int(t.shape[0]) % block:
+            raise QuantgateError(f"{path}: tensor {t.name} has shape {[int(d) for d in t.shape]}, not whole "
+                                 f"{t.tensor_type.name} blocks of {block}")
     return reader
 
 
 def inspect_gguf(path: str | Path) -> GGUFInfo:
-    """Parse and validate a GGUF that quantgate can run; one clear error for anything else."""
+    """Parse and validate a GGUF that quantgate can run; one clear error for anything else: metadata of the
+    wrong type or range, and tensors whose set or shapes disagree with the header's hyperparameters."""
     path = Path(path)
     reader = open_reader(path)
+    m = _Meta(reader, path)
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise QuantgateError(f"{path}: architecture {arch!r} is not supported (quantgate runs {', '.join(SUPPORTED_ARCHS)})")
-    n_blocks = _field(reader, f"{arch}.block_count")
-    n_embd = _field(reader, f"{arch}.embedding_length")
-    if n_blocks is None or n_embd is None:
-        raise QuantgateError(f"{path}: missing {arch}.block_count or {arch}.embedding_length")
-    identity = int(_field(reader, "quantgate.identity_layers", 0) or 0)
+        raise QuantgateError(f"{path}: architecture {str(arch)[:40]!r} is not supported "
+                             f"(quantgate runs {', '.join(SUPPORTED_ARCHS)})")
+    n_blocks = m.int(f"{arch}.block_count", hi=1 << 12)
+    n_embd = m.int(f"{arch}.embedding_length", hi=1 << 17)
+    identity = m.int("quantgate.identity_layers", 0, lo=0, hi=n_blocks - 1)
+    n_heads = m.int(f"{arch}.attention.head_count", hi=1 << 12)
+    n_kv = m.int(f"{arch}.attention.head_count_kv", n_heads, hi=n_heads)
+    if n_heads % n_kv:
+        raise QuantgateError(f"{path}: head_count {n_heads} is not a multiple of head_count_kv {n_kv}")
+    head_dim = m.int(f"{arch}.attention.key_length", n_embd // n_heads or None, hi=1 << 12)
+    m.int(f"{arch}.attention.value_length", head_dim, lo=head_dim, hi=head_dim)
+    ffn = _field(reader, f"{arch}.feed_forward_length")
+    ffn = ffn[0] if isinstance(ffn, list) and ffn else ffn
+    if isinstance(ffn, bool) or not isinstance(ffn, int) or not 0 < ffn <= 1 << 20:
+        raise QuantgateError(f"{path}: metadata {arch}.feed_forward_length = {str(ffn)[:40]} is not a positive integer")
+    rot = m.int(f"{arch}.rope.dimension_count", head_dim, hi=head_dim)
+    if rot % 2:
+        raise QuantgateError(f"{path}: rope.dimension_count {rot} is odd")
+    n_layers = n_blocks - identity
     tensors = {t.name: t for t in reader.tensors}
-    n_layers = int(n_blocks) - identity
-    _check_tensor_set(path, arch, n_layers, identity, set(tensors), int(n_blocks))
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    emb_rows = int(tensors["token_embd.weight"].shape[1])  # GGUF shapes are innermost first
+    _check_tensor_set(path, arch, n_layers, identity, set(tensors), n_blocks)
+    emb_rows = int(tensors["token_embd.weight"].shape[1]) if len(tensors["token_embd.weight"].shape) == 2 else 0
+    if emb_rows < 1:
+        raise QuantgateError(f"{path}: token_embd.weight is not a matrix")
+    hp = {"vocab": emb_rows, "dim": n_embd, "heads": n_heads, "kv_heads": n_kv, "head_dim": head_dim, "ffn": ffn}
+    if identity:
+        hp.update(ssm_state=m.int(f"{arch}.ssm.state_size", hi=1 << 16),
+                  ssm_inner=m.int(f"{arch}.ssm.inner_size", hi=1 << 20),
+                  ssm_heads=m.int(f"{arch}.ssm.time_step_rank", hi=1 << 12),
+                  ssm_groups=m.int(f"{arch}.ssm.group_count", hi=1 << 12),
+                  ssm_conv=m.int(f"{arch}.ssm.conv_kernel", hi=64))
+    _check_tensor_shapes(path, arch, n_layers, identity, tensors, hp)
+    tokens = m.list("tokenizer.ggml.tokens", str)
     if tokens is None:
         raise QuantgateError(f"{path}: no embedded tokenizer (tokenizer.ggml.tokens)")
     if len(tokens) != emb_rows:
         raise QuantgateError(f"{path}: the tokenizer has {len(tokens)} tokens but token_embd has {emb_rows} rows "
                              f"(tokenizer/vocab mismatch)")
     types = {t.name: t.tensor_type.name for t in reader.tensors}
-    ftype = _field(reader, "general.file_type")
-    file_type = FILE_TYPE_NAMES.get(int(ftype), f"ftype {ftype}") if ftype is not None else "unknown"
-    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", n_embd // n_heads))
-    n_weights = sum(int(np.prod(t.shape)) for t in reader.tensors)
+    ftype = m.int("general.file_type", 0, lo=0, hi=1 << 16)
+    n_weights = sum(int(np.prod(t.shape, dtype=np.float64)) for t in reader.tensors)
     n_bytes = sum(int(t.n_bytes) for t in reader.tensors)
-    meta = {"name": _field(reader, "general.name"), "quantgate_version": _field(reader, "quantgate.version"),
+    meta = {"name": m.str("general.name"), "quantgate_version": m.str("quantgate.version"),
             "_bits_per_weight": 8 * n_bytes / max(n_weights, 1)}
+    gate = m.str("quantgate.gate", "none" if arch == "qwen3" else "elementwise")
+    if gate not in (("none",) if arch == "qwen3" else ("headwise", "elementwise")):
+        raise QuantgateError(f"{path}: metadata quantgate.gate {gate!r} does not fit arch {arch}")
     return GGUFInfo(
-        path=path, arch=arch, n_layers=n_layers, n_blocks=int(n_blocks), vocab_size=emb_rows, n_embd=int(n_embd),
-        n_heads=n_heads, n_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
-        head_dim=head_dim,
-        gate=_field(reader, "quantgate.gate", "none" if arch == "qwen3" else "elementwise"),
-        source_layout=_field(reader, "quantgate.source_layout", "unknown"), file_type=file_type,
-        n_bytes=path.stat().st_size, tensor_types=types, metadata=meta)
+        path=path, arch=arch, n_layers=n_layers, n_blocks=n_blocks, vocab_size=emb_rows, n_embd=n_embd,
+        n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, gate=gate,
+        source_layout=m.str("quantgate.source_layout", "unknown"),
+        file_type=FILE_TYPE_NAMES.get(ftype, f"ftype {ftype}"),
+        n_bytes=path.stat().st_size, ffn_dim=ffn, rotary_dim=rot,
+        rope_base=m.float(f"{arch}.rope.freq_base", 10000.0),
+        norm_eps=m.float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, hi=1.0),
+        context_length=m.int(f"{arch}.context_length", 2048, hi=1 << 24), tensor_types=types, metadata=meta)
 
 
 def _check_tensor_set(path: Path, arch: str, n_layers: int, identity: int, names: set[str], n_blocks: int) -> None:
@@ -138,13 +213,66 @@ def _check_tensor_set(path: Path, arch: str, n_layers: int, identity: int, names
                              f"count or block count does not match the tensors)")
 
 
+def _check_tensor_shapes(path: Path, arch: str, n_layers: int, identity: int, tensors: dict, hp: dict) -> None:
+    """Every tensor's shape must be what the header's hyperparameters imply (llama.cpp checks the same on load,
+    but a failed check there can take the process down)."""
+    from quantgate.export.gguf import expected_tensor_shapes
+
+    def ggml_dims(dims) -> tuple:  # GGUF lists dims innermost first; ggml drops trailing dims of size 1
+        dims = [int(d) for d in dims]
+        while len(dims) > 1 and dims[-1] == 1:
+            dims.pop()
+        return tuple(dims)
+
+    for name, shape in expected_tensor_shapes(arch, n_layers, identity, hp).items():
+        t = tensors.get(name)
+        if t is not None and ggml_dims(t.shape) != ggml_dims(reversed(shape)):
+            got = tuple(int(d) for d in reversed(t.shape))
+            raise QuantgateError(f"{path}: tensor {name} has shape {got}, the header implies {shape}")
+
+
+# Byte offsets of the fp16 scales inside one block of each quantized type (ggml-common.h's block structs): a
+# quantized block is non-finite exactly when one of its scales is, its quants being integers.
+F16_SCALE_OFFSETS = {
+    "Q8_0": (34, (0,)), "Q4_0": (18, (0,)), "Q4_1": (20, (0, 2)), "Q5_0": (22, (0,)), "Q5_1": (24, (0, 2)),
+    "Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)), "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)),
+    "Q6_K": (210, (208,)), "IQ4_NL": (18, (0,)), "IQ4_XS": (136, (0,)), "IQ3_S": (110, (0,)), "IQ3_XXS": (98, (0,)),
+}
+
+
+def check_finite_weights(path: str | Path) -> None:
+    """Refuse a GGUF holding NaN or Inf weights before llama.cpp scores it: float tensors value by value,
+    quantized ones by their block scales (read straight from the memory-mapped file, nothing dequantized)."""
+    reader = open_reader(path)
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        raw = np.asarray(t.data)
+        if kind in ("F32", "F16", "F64"):
+            bad = not np.isfinite(raw).all()
+        elif kind == "BF16":
+            bits = raw.reshape(-1).view(np.uint16)
+            bad = bool(((bits & 0x7F80) == 0x7F80).any())
+        elif kind in F16_SCALE_OFFSETS:
+            size, offsets = F16_SCALE_OFFSETS[kind]
+            blocks = raw.reshape(-1).view(np.uint8).reshape(-1, size)
+            bad = any(not np.isfinite(blocks[:, o:o + 2].copy().view(np.float16)).all() for o in offsets)
+        else:
+            continue  # other types: the runner's finite-logits check still stands guard
+        if bad:
+            raise QuantgateError(f"{path}: tensor {t.name} ({kind}) holds NaN or Inf values")
+
+
 def read_tensor(reader, name: str) -> np.ndarray:
     """Dequantized float32 tensor in PyTorch orientation ([out, in] for matrices), via gguf-py."""
     from gguf.quants import dequantize
     for t in reader.tensors:
         if t.name == name:
-            a = dequantize(t.data, t.tensor_type)
-            return np.array(a, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])  # a writable copy
+            try:
+                with np.errstate(all="ignore"):  # non-finite values are refused by the caller, not warned about
+                    a = dequantize(t.data, t.tensor_type)
+                return np.array(a, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])  # a writable copy
+            except (NotImplementedError, ValueError, TypeError) as e:  # a type gguf-py cannot dequantize, a bad shape
+                raise QuantgateError(f"tensor {name} ({t.tensor_type.name}) cannot be read: {str(e)[:80]}") from None
     raise QuantgateError(f"tensor {name} is not in the GGUF")
 
 
@@ -153,20 +281,30 @@ def tokenizer_from_gguf(reader) -> Tokenizer:
 
     Written by hand because no library turns GGUF vocab metadata back into a `tokenizers` object.
     """
-    model = _field(reader, "tokenizer.ggml.model")
-    pre = _field(reader, "tokenizer.ggml.pre")
+    path = Path(reader.data.filename)
+    m = _Meta(reader, path)
+    model, pre = m.str("tokenizer.ggml.model"), m.str("tokenizer.ggml.pre")
     if model != "gpt2" or pre not in ("gpt-2", "qwen2"):
-        raise QuantgateError(f"tokenizer {model!r}/{pre!r} is not supported (byte-level BPE gpt-2 or qwen2 only)")
-    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+        raise QuantgateError(f"{path}: tokenizer {str(model)[:20]!r}/{str(pre)[:20]!r} is not supported "
+                             f"(byte-level BPE gpt-2 or qwen2 only)")
+    tokens = m.list("tokenizer.ggml.tokens", str) or []
+    types = m.list("tokenizer.ggml.token_type", int) or [1] * len(tokens)
+    if len(types) != len(tokens) or len(set(tokens)) != len(tokens):
+        raise QuantgateError(f"{path}: tokenizer.ggml.token_type must give one type per token, and tokens must be "
+                             f"unique ({len(tokens)} tokens, {len(set(tokens))} distinct, {len(types)} types)")
     known = {t for i, t in enumerate(tokens) if types[i] == 1}
-    merges = [m.split(" ", 1) for m in _field(reader, "tokenizer.ggml.merges", [])]
-    merges = [m for m in merges if m[0] in known and m[1] in known]  # drops the exporter's placeholder merge
-    tok = _hf_tokenizer(tokens, types, merges, pre)
-    bos = int(_field(reader, "tokenizer.ggml.bos_token_id", 0))
-    eos = int(_field(reader, "tokenizer.ggml.eos_token_id", bos))
-    pad = _field(reader, "tokenizer.ggml.padding_token_id")
-    return Tokenizer(tok, bos, eos, eos if pad is None else int(pad))
+    merges = [x.split(" ", 1) for x in (m.list("tokenizer.ggml.merges", str) or [])]
+    merges = [x for x in merges if len(x) == 2 and x[0] in known and x[1] in known]  # drops the placeholder merge
+    try:
+        tok = _hf_tokenizer(tokens, types, merges, pre)
+    except Exception as e:  # tokenizers raises plain Exceptions for a spec it cannot build
+        raise QuantgateError(f"{path}: the embedded tokenizer cannot be rebuilt ({str(e).splitlines()[0][:80]})") \
+            from None
+    n = len(tokens)
+    bos = m.int("tokenizer.ggml.bos_token_id", 0, lo=0, hi=n - 1)
+    eos = m.int("tokenizer.ggml.eos_token_id", bos, lo=0, hi=n - 1)
+    pad = m.int("tokenizer.ggml.padding_token_id", eos, lo=0, hi=n - 1)
+    return Tokenizer(tok, bos, eos, pad)
 
 
 def _hf_tokenizer(tokens: list[str], types: list[int], merges: list, pre: str):
@@ -208,25 +346,26 @@ def load_gguf_model(path: str | Path):
     from .layouts import _split_interleaved
     from .model import Model, ModelConfig
 
+    from .checkpoint import check_fits_in_memory
+
     info = inspect_gguf(path)
     reader = open_reader(path)
     arch = info.arch
     names = {t.name for t in reader.tensors}
-    ffn = _field(reader, f"{arch}.feed_forward_length")
-    ffn = int(ffn[0]) if isinstance(ffn, list) else int(ffn)
-    rot = int(_field(reader, f"{arch}.rope.dimension_count", info.head_dim))
     tok = tokenizer_from_gguf(reader)
-    cfg = ModelConfig(vocab_size=info.vocab_size, dim=info.n_embd, n_layers=info.n_layers, n_heads=info.n_heads,
-                      n_kv_heads=info.n_kv_heads, head_dim=info.head_dim,
-                      ffn_dim=ffn, gate="none" if arch == "qwen3" else "elementwise",
-                      rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-                      partial_rotary=rot / info.head_dim, qk_norm="blk.0.attn_q_norm.weight" in names,
-                      tie_embeddings="output.weight" not in names,
-                      norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-                      max_seq_len=int(_field(reader, f"{arch}.context_length", 2048)),
-                      bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                      extra={"source_layout": f"gguf:{arch}", "gguf_file_type": info.file_type,
-                             "exported_gate": info.gate})
+    try:
+        cfg = ModelConfig(vocab_size=info.vocab_size, dim=info.n_embd, n_layers=info.n_layers, n_heads=info.n_heads,
+                          n_kv_heads=info.n_kv_heads, head_dim=info.head_dim,
+                          ffn_dim=info.ffn_dim, gate="none" if arch == "qwen3" else "elementwise",
+                          rope_theta=info.rope_base, partial_rotary=info.rotary_dim / info.head_dim,
+                          qk_norm="blk.0.attn_q_norm.weight" in names, tie_embeddings="output.weight" not in names,
+                          norm_eps=info.norm_eps, max_seq_len=info.context_length,
+                          bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                          extra={"source_layout": f"gguf:{arch}", "gguf_file_type": info.file_type,
+                                 "exported_gate": info.gate})
+    except ValueError as e:
+        raise QuantgateError(f"{path}: {e}") from None
+    check_fits_in_memory(cfg, str(path))
     model = Model(cfg)
     sd = {}
     for ours, theirs in GLOBAL_TENSORS.items():

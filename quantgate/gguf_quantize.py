@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import QuantgateError
-from .fsio import atomic_path, check_not_input
+from .errors import DiskFull, QuantgateError
+from .fsio import atomic_path, check_output
 from .gguf_file import inspect_gguf
 
 # llama.cpp file types (enum llama_ftype) that `quantgate quantize` offers.
@@ -93,30 +93,37 @@ def quantize_gguf(src: str | Path, out: str | Path, qtype: str, imatrix: str | N
         raise QuantgateError(f"{src} is already quantized ({info.file_type}); quantize the F32/F16 export instead")
     if gate_bits and info.arch != "qwen35":
         raise QuantgateError(f"{src} has no attention gate (arch {info.arch}): --gate-bits applies to gated models")
-    check_not_input(out, src)
+    from .calib_data import data_paths
+    check_output(out, "gguf", (src, *data_paths(calib_data if imatrix else None)))
 
     im = None
     if imatrix == "auto":
         from .checkpoint import load_checkpoint
         from .quantize import calibration_windows
+        from .evaluate import check_ctx
         loaded = load_checkpoint(src)
+        check_ctx(ctx, loaded.model.cfg.max_seq_len, src)
         windows = calibration_windows(loaded.tokenizer, calib_data, calib_windows, ctx, seed)
         im = importance_matrix(loaded.model, windows)
 
     request = {"src": str(src), "ftype": FILE_TYPES[qtype], "threads": threads or 0,
                "overrides": [[GATE_PATTERN, GGML_Q8_0]] if gate_bits else []}
-    with atomic_path(out) as tmp, tempfile.TemporaryDirectory() as work:
+    with atomic_path(out, "gguf") as tmp, tempfile.TemporaryDirectory() as work:
         request["dst"] = str(tmp)
         if im is not None:
             np.savez(Path(work) / "imatrix.npz", **im)
             request["imatrix"] = str(Path(work) / "imatrix.npz")
         (Path(work) / "request.json").write_text(json.dumps(request))
+        # its own session: a terminal's Ctrl-C reaches only us, and we stop the child (subprocess.run kills it)
         proc = subprocess.run([sys.executable, "-m", "quantgate.gguf_quantize", str(Path(work) / "request.json")],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, start_new_session=True)
         if proc.returncode != 0:
             lines = [ln for ln in (proc.stderr or "").splitlines() if ln.strip()]
             why = next((ln for ln in reversed(lines) if "error" in ln.lower() or "GGML_ASSERT" in ln),
                        lines[-1] if lines else f"exit code {proc.returncode}")
+            if any("iostream error" in ln or "failed to write" in ln for ln in lines):
+                raise DiskFull(f"cannot write {out}: llama.cpp's quantizer could not write it (disk full or file "
+                               f"size limit); nothing was kept")
             raise QuantgateError(f"llama.cpp could not quantize {src} to {qtype}: {why.strip()[:200]}")
         result = inspect_gguf(tmp)
     counts: dict[str, int] = {}
@@ -133,6 +140,8 @@ def quantize_gguf(src: str | Path, out: str | Path, qtype: str, imatrix: str | N
 def _child(request_file: str) -> int:
     """Build llama_model_quantize_params from the request and run llama.cpp's quantizer."""
     import ctypes
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent stops us
 
     import llama_cpp
 

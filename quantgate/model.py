@@ -48,12 +48,28 @@ class ModelConfig:
     extra: dict = field(default_factory=dict)  # provenance (source layout, model name), never read by forward
 
     def __post_init__(self) -> None:
+        """Every shape and constant a forward pass relies on, checked once here (loaders turn the ValueError
+        into one error line naming their file)."""
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_seq_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.gate not in GATE_MODES:
             raise ValueError(f"gate must be one of {GATE_MODES}, got {self.gate!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        for name in ("rope_theta", "norm_eps", "partial_rotary"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name} must be a positive finite number, got {v!r}")
+        if self.partial_rotary > 1:
+            raise ValueError(f"partial_rotary must be at most 1, got {self.partial_rotary}")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ValueError(f"partial_rotary {self.partial_rotary} x head_dim {self.head_dim} must give an even rotary dim")
+        for name in ("bos_id", "eos_id", "pad_id"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < self.vocab_size:
+                raise ValueError(f"{name} {v!r} is not a token id of the {self.vocab_size}-token vocabulary")
 
     @property
     def rotary_dim(self) -> int:

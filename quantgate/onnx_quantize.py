@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import QuantgateError
-from .fsio import atomic_dir, check_not_input
+from .fsio import atomic_dir, check_output
 from .ort_runner import OrtRunner, check_graph, read_meta, resolve_onnx
 
 SCHEMES = ("int8-dynamic", "int8-static", "int8-weight", "int4")
@@ -88,12 +88,16 @@ def quantize_onnx(src: str | Path, out_dir: str | Path, scheme: str, gate_bits: 
     if gate_bits and not gates:
         raise QuantgateError(f"{path} has no fused q|gate projection: --gate-bits applies to gated models")
     out_dir = Path(out_dir)
-    check_not_input(out_dir, model_dir)
+    from .calib_data import data_paths
+    check_output(out_dir, "onnx", (model_dir, *data_paths(calib_data if scheme == "int8-static" else None)))
 
     windows = None
     if scheme == "int8-static":
+        from .evaluate import check_ctx
+        from .onnx_weights import onnx_context
         from .quantize import calibration_windows
         from .tokenizer import load_tokenizer
+        check_ctx(ctx, onnx_context(model_dir), src)
         tok = load_tokenizer(model_dir, meta.get("bos_id"), meta.get("eos_id"))
         windows = calibration_windows(tok, calib_data, calib_windows, ctx, seed)
 
@@ -120,27 +124,34 @@ def _run(path: Path, out_dir: Path, scheme: str, gate_bits, block_size: int, gat
     from onnxruntime.quantization import (CalibrationMethod, QuantFormat, QuantType, quantize_dynamic,
                                           quantize_static)
 
-    with atomic_dir(out_dir) as tmp, tempfile.TemporaryDirectory() as work:
+    with atomic_dir(out_dir, "onnx") as tmp, tempfile.TemporaryDirectory() as work:
         dst = tmp / "model.onnx"
-        if scheme == "int8-dynamic":
-            quantize_dynamic(str(path), str(dst), op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8,
-                             extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT})
-        elif scheme == "int8-static":
-            with OrtRunner(path) as runner:
-                reader = _Calibration(runner, windows)
-            quantize_static(str(path), str(dst), reader, quant_format=QuantFormat.QDQ,
-                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True,
-                            op_types_to_quantize=["MatMul"], calibrate_method=CalibrationMethod.MinMax,
-                            extra_options={"MatMulConstBOnly": True})
-        elif scheme == "int8-weight":
-            _weight_only(path, dst, 8, block_size)
-        else:
-            if gate_bits:
-                mid = Path(work) / "int4.onnx"
-                _weight_only(path, mid, 4, block_size, exclude=gates)
-                _weight_only(mid, dst, 8, block_size, include=gates)
+        try:
+            if scheme == "int8-dynamic":
+                quantize_dynamic(str(path), str(dst), op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8,
+                                 extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT})
+            elif scheme == "int8-static":
+                with OrtRunner(path) as runner:
+                    reader = _Calibration(runner, windows)
+                quantize_static(str(path), str(dst), reader, quant_format=QuantFormat.QDQ,
+                                activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True,
+                                op_types_to_quantize=["MatMul"], calibrate_method=CalibrationMethod.MinMax,
+                                extra_options={"MatMulConstBOnly": True})
+            elif scheme == "int8-weight":
+                _weight_only(path, dst, 8, block_size)
             else:
-                _weight_only(path, dst, 4, block_size)
+                if gate_bits:
+                    mid = Path(work) / "int4.onnx"
+                    _weight_only(path, mid, 4, block_size, exclude=gates)
+                    _weight_only(mid, dst, 8, block_size, include=gates)
+                else:
+                    _weight_only(path, dst, 4, block_size)
+        except (QuantgateError, OSError):
+            raise
+        except Exception as e:  # onnxruntime.quantization on a graph it cannot handle: one line, not its traceback
+            msg = (str(e).strip().splitlines() or [""])[0][:160]
+            raise QuantgateError(f"onnxruntime.quantization could not quantize {path} ({scheme}): "
+                                 f"{type(e).__name__}: {msg}") from None
         for f in SIDE_FILES:
             if (model_dir / f).is_file():
                 shutil.copy2(model_dir / f, tmp / f)

@@ -81,13 +81,12 @@ def _first_init(model, *names: str):
 def load_onnx_model(path):
     """Our PyTorch Model from an exported ONNX directory, every weight dequantized (the inverse of the
     exporter plus onnxruntime's quantizers). For the gate-survival check and `analyze`/`info` on ONNX."""
-    import json
     from pathlib import Path
 
     import onnx
     import torch
 
-    from .checkpoint import Loaded, config_from_hf
+    from .checkpoint import Loaded, check_fits_in_memory, config_from_hf
     from .model import Model
     from .ort_runner import check_graph, read_meta, resolve_onnx
     from .tokenizer import load_tokenizer
@@ -97,9 +96,14 @@ def load_onnx_model(path):
     cfg_file = model_dir / "config.json"
     if not cfg_file.is_file():
         raise QuantgateError(f"{model_dir}: no config.json beside model.onnx")
-    cfg, _layout = config_from_hf(json.loads(cfg_file.read_text()), model_dir)
+    from .fsio import read_json
+    cfg, _layout = config_from_hf(read_json(cfg_file), model_dir)
     meta = read_meta(model_dir)
-    graph = onnx.load(str(onnx_path))
+    check_fits_in_memory(cfg, str(cfg_file))
+    try:
+        graph = onnx.load(str(onnx_path))
+    except Exception as e:  # external data unreadable after check_graph passed: a torn file
+        raise QuantgateError(f"{onnx_path}: cannot read its weights ({type(e).__name__})") from None
     model = Model(cfg)
     sd = {}
     for name, t in model.state_dict().items():
@@ -130,6 +134,36 @@ def load_onnx_model(path):
         tok = load_tokenizer(model_dir, meta.get("bos_id", cfg.bos_id), meta.get("eos_id", cfg.eos_id))
     return Loaded(model, tok, f"onnx:{(meta.get('quantization') or {}).get('scheme', meta.get('dtype', 'fp32'))}",
                   Path(path))
+
+
+def onnx_context(model_dir) -> int:
+    """The export's context: max_position_embeddings of the config.json beside model.onnx."""
+    from pathlib import Path
+
+    from .checkpoint import HFFields, MAX_CONTEXT
+    from .fsio import read_json
+    f = Path(model_dir) / "config.json"
+    if not f.is_file():
+        raise QuantgateError(f"{model_dir}: no config.json beside model.onnx (the export's context is unknown)")
+    hf = read_json(f)
+    if not isinstance(hf, dict):
+        raise QuantgateError(f"{f}: must hold a JSON object")
+    return HFFields(hf, str(f)).int("max_position_embeddings", 2048, hi=MAX_CONTEXT)
+
+
+def check_finite_initializers(onnx_path) -> None:
+    """Refuse an export whose float initializers (weights, norms, quantization scales) hold NaN or Inf."""
+    import onnx
+    from onnx import numpy_helper
+    try:
+        model = onnx.load(str(onnx_path))
+    except Exception as e:  # external data unreadable after check_graph passed: a torn file
+        raise QuantgateError(f"{onnx_path}: cannot read its weights ({type(e).__name__})") from None
+    for t in model.graph.initializer:
+        if t.data_type in (1, 10, 11, 16):  # float, float16, double, bfloat16
+            a = numpy_helper.to_array(t)
+            if not np.isfinite(a.astype(np.float32)).all():
+                raise QuantgateError(f"{onnx_path}: initializer {t.name} holds NaN or Inf values")
 
 
 def is_onnx(path) -> bool:

@@ -31,14 +31,44 @@ def read_meta(model_dir: Path) -> dict:
     f = model_dir / "quantgate.json"
     if not f.is_file():
         return {}
-    try:
-        return json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise QuantgateError(f"{f}: not valid JSON ({e})") from None
+    from .fsio import read_json
+    meta = read_json(f)
+    if not isinstance(meta, dict):
+        raise QuantgateError(f"{f}: must hold a JSON object")
+    return check_meta(meta, f)
+
+
+META_TYPES = {  # quantgate.json field -> (accepted types, what it must be)
+    "bos_id": ((int,), "a token id"), "eos_id": ((int,), "a token id"), "vocab_size": ((int,), "a positive integer"),
+    "n_layers": ((int,), "a positive integer"), "n_kv_heads": ((int,), "a positive integer"),
+    "head_dim": ((int,), "a positive integer"), "opset": ((int,), "an opset number"),
+    "dtype": ((str,), "fp32 or fp16"), "graph": ((str,), "standard or gqa"), "gate": ((str,), "a gate mode"),
+    "quantization": ((dict, type(None)), "an object or null"), "files": ((list,), "a list of file names"),
+}
+
+
+def check_meta(meta: dict, f: Path) -> dict:
+    """The fields of an export's quantgate.json that quantgate reads, each of the right type and range."""
+    for k, (types, want) in META_TYPES.items():
+        v = meta.get(k)
+        if v is None and k != "quantization":
+            continue
+        ok = isinstance(v, types) and not isinstance(v, bool)
+        if ok and types == (int,):
+            ok = v >= (0 if k in ("bos_id", "eos_id") else 1)
+        if ok and k == "dtype":
+            ok = v in ("fp32", "fp16")
+        if ok and k == "quantization" and v is not None:
+            ok = isinstance(v.get("scheme"), str)
+        if not ok:
+            raise QuantgateError(f"{f}: {k} must be {want}, got {json.dumps(v)[:60]}")
+    return meta
 
 
 def check_graph(path: Path):
-    """Load the graph (without weights kept) and check its I/O against the exporter's names."""
+    """Load the graph (without its weights) and check what ONNX Runtime and our runner rely on: the
+    exporter's input/output names, dtypes and cache shapes, and every external-data file the weights name
+    (present in the export's folder and long enough)."""
     import onnx
 
     from quantgate.export.onnx import io_names
@@ -53,7 +83,47 @@ def check_graph(path: Path):
     if n_layers == 0 or inputs != want_in or outputs != want_out:
         raise QuantgateError(f"{path}: the graph's inputs/outputs ({', '.join(inputs[:4])}...) do not match a "
                              f"quantgate decoder (input_ids, attention_mask, position_ids, past_key_values.N.key/value)")
+    _check_io_types(path, model)
+    _check_external_data(path, model)
     return model, n_layers
+
+
+INT64, FLOATS = 7, (1, 10)  # onnx.TensorProto element types: int64; float32, float16
+
+
+def _check_io_types(path: Path, model) -> None:
+    for v in list(model.graph.input) + list(model.graph.output):
+        t = v.type.tensor_type
+        want = (INT64,) if v.name in ("input_ids", "attention_mask", "position_ids") else FLOATS
+        rank = 3 if v.name == "logits" else 4 if "key" in v.name or "value" in v.name else 2
+        if t.elem_type not in want or len(t.shape.dim) != rank:
+            raise QuantgateError(f"{path}: {v.name} has element type {t.elem_type} and rank {len(t.shape.dim)}; a "
+                                 f"quantgate decoder has {'int64' if want == (INT64,) else 'float'} of rank {rank}")
+        if rank == 4 and not (t.shape.dim[1].dim_value > 0 and t.shape.dim[3].dim_value > 0):
+            raise QuantgateError(f"{path}: {v.name} does not state its KV heads and head size (dims 1 and 3)")
+
+
+def _check_external_data(path: Path, model) -> None:
+    """Weights stored beside the graph: each named file must lie in the export's folder and hold its bytes."""
+    import onnx
+    folder = path.parent.resolve()
+    for t in model.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        loc = info.get("location", "")
+        target = (folder / loc).resolve()
+        if not loc or folder not in target.parents:
+            raise QuantgateError(f"{path}: weight {t.name} names external data {loc!r} outside the export's folder")
+        if not target.is_file():
+            raise QuantgateError(f"{path}: weight {t.name} is stored in {loc}, which is missing")
+        try:
+            end = int(info.get("offset", 0) or 0) + int(info.get("length", 0) or 0)
+        except ValueError:
+            raise QuantgateError(f"{path}: weight {t.name} has a malformed external-data offset or length") from None
+        if end > target.stat().st_size:
+            raise QuantgateError(f"{path}: {loc} is truncated (weight {t.name} ends at byte {end}, "
+                                 f"the file has {target.stat().st_size})")
 
 
 class OrtRunner:
@@ -75,11 +145,15 @@ class OrtRunner:
         if threads:
             opts.intra_op_num_threads = threads
         opts.log_severity_level = 4  # failures surface as one QuantgateError, not as ORT log lines
-        providers = ["CPUExecutionProvider"]
-        if device == "cuda":
+        from .runners import cuda_index
+        self.cuda = cuda_index(device)
+        providers: list = ["CPUExecutionProvider"]
+        if self.cuda is not None:
             if "CUDAExecutionProvider" not in ort.get_available_providers():
-                raise QuantgateError("--device cuda needs onnxruntime-gpu and a CUDA device")
-            providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+                raise QuantgateError(f"--device {device} needs onnxruntime-gpu (pip uninstall onnxruntime; pip install "
+                                     f"onnxruntime-gpu) and a CUDA device")
+            # TF32 off: ORT's CUDA EP rounds fp32 GEMM inputs to TF32 by default, which is not fp32 parity
+            providers = [("CUDAExecutionProvider", {"device_id": self.cuda, "use_tf32": 0}), "CPUExecutionProvider"]
         try:
             self.session = ort.InferenceSession(str(self.path), opts, providers=providers)
         except Exception as e:
@@ -90,9 +164,9 @@ class OrtRunner:
 
     def _empty_past(self, batch: int) -> dict:
         z = np.zeros((batch, self.n_kv_heads, 0, self.head_dim), dtype=self.kv_dtype)
-        if self.device == "cuda":
+        if self.cuda is not None:
             import onnxruntime as ort
-            z = ort.OrtValue.ortvalue_from_numpy(z, "cuda", 0)
+            z = ort.OrtValue.ortvalue_from_numpy(z, "cuda", self.cuda)
         return {f"past_key_values.{i}.{kv}": z for i in range(self.n_layers) for kv in ("key", "value")}
 
     def step(self, ids: np.ndarray, past: dict, start: int) -> tuple[np.ndarray, dict]:
@@ -100,12 +174,12 @@ class OrtRunner:
         B, T = ids.shape
         feed = {"input_ids": ids.astype(np.int64), "attention_mask": np.ones((B, start + T), dtype=np.int64),
                 "position_ids": np.broadcast_to(np.arange(start, start + T, dtype=np.int64), (B, T)).copy(), **past}
-        if self.device == "cuda":
-            return self._step_bound(feed)
         try:
+            if self.cuda is not None:
+                return self._step_bound(feed)
             outs = self.session.run(None, feed)
         except Exception as e:  # e.g. GroupQueryAttention's limits (several new tokens on a cache need batch 1)
-            msg = str(e).split("Status Message:")[-1].strip().splitlines()[0][:200]
+            msg = (str(e).split("Status Message:")[-1].strip().splitlines() or [type(e).__name__])[0][:200]
             raise QuantgateError(f"{self.path}: ONNX Runtime failed: {msg}") from None
         present = {n.replace("present.", "past_key_values."): v for n, v in zip(self.out_names[1:], outs[1:])}
         return outs[0].astype(np.float32), present
@@ -121,7 +195,7 @@ class OrtRunner:
                 io.bind_cpu_input(k, np.ascontiguousarray(v))
         io.bind_output("logits", "cpu")
         for n in self.out_names[1:]:
-            io.bind_output(n, "cuda")
+            io.bind_output(n, "cuda", self.cuda)
         self.session.run_with_iobinding(io)
         outs = io.get_outputs()
         present = {n.replace("present.", "past_key_values."): v for n, v in zip(self.out_names[1:], outs[1:])}
@@ -141,6 +215,8 @@ class OrtRunner:
         pos, n = len(ids), 0
         while True:
             last = logits[0, -1].astype(np.float64)
+            if not np.isfinite(last).all():
+                raise QuantgateError(f"{self.path} produced NaN or Inf logits")
             if temperature > 0:
                 p = np.exp((last - last.max()) / temperature)
                 tok = int(rng.choice(len(p), p=p / p.sum()))

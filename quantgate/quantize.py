@@ -148,19 +148,35 @@ def saved_quantization(model: Model) -> dict:
     return {"act_ranges": {f"layers.{k}": v for k, v in ranges.items()}, "weight_bits": bits}
 
 
-def apply_saved_quantization(model: Model, extra: dict) -> Model:
-    """Wrap the block Linears of a freshly loaded model as its config.json's scheme says."""
-    scheme = Scheme(**extra["quant_scheme"])
+def apply_saved_quantization(model: Model, extra: dict, where: str = "config.json") -> Model:
+    """Wrap the block Linears of a freshly loaded model as its config.json's scheme says (every saved value
+    checked first: the file may have been edited by hand)."""
+    scheme = Scheme.from_saved(extra["quant_scheme"], where)
+    state = extra.get("quant_state", {})
+    if not isinstance(state, dict):
+        raise QuantgateError(f"{where}: quant_state must be a JSON object")
+    ranges, bits = state.get("act_ranges", {}), state.get("weight_bits", {})
+    if not isinstance(ranges, dict) or not isinstance(bits, dict):
+        raise QuantgateError(f"{where}: quant_state.act_ranges and .weight_bits must be JSON objects")
+    linears = block_linears(model)
+    for name, r in ranges.items():
+        finite = isinstance(r, list) and len(r) == 2 and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) for x in r)
+        if name not in linears or not (finite and r[0] <= r[1]):
+            raise QuantgateError(f"{where}: quant_state.act_ranges[{name[:60]!r}] must be [lo, hi] (finite, lo <= hi) "
+                                 f"for a Linear of this model")
+    for name, b in bits.items():
+        if name not in linears or not (b is None or (isinstance(b, int) and not isinstance(b, bool) and 2 <= b <= 16)):
+            raise QuantgateError(f"{where}: quant_state.weight_bits[{name[:60]!r}] must be 2..16 or null for a Linear "
+                                 f"of this model")
     for layer in model.layers:
         layer.self_attn.kv_bits = scheme.kv_bits
     if scheme.weight_bits is None and scheme.act is None and scheme.gate_bits is None:
         return model
-    ranges = extra.get("quant_state", {}).get("act_ranges", {})
-    bits = extra.get("quant_state", {}).get("weight_bits", {})
-    for name, lin in block_linears(model).items():
+    for name, lin in linears.items():
         r = ranges.get(name)
         if scheme.act == "static" and r is None:
-            raise QuantgateError(f"config.json: the {scheme.name} checkpoint has no activation range for {name}")
+            raise QuantgateError(f"{where}: the {scheme.name} checkpoint has no activation range for {name}")
         q = QuantLinear(lin.weight.detach(), act=scheme.act, act_bits=scheme.act_bits,
                         act_range=None if r is None else ActRange(*r), symmetric=scheme.symmetric,
                         skip_first_position=scheme.sink_aware, weight_bits=bits.get(name), group_size=scheme.group_size)
@@ -184,11 +200,15 @@ def calibration_windows(tokenizer, calib_data: str, n_windows: int, ctx: int, se
 def quantize_checkpoint(model_path: str, scheme_name: str, out: str, calib_data: str = "embedded",
                         n_windows: int = 32, ctx: int = 256, seed: int = 0) -> dict:
     """`quantgate quantize --backend torch`: load, calibrate on held-out text, quantize, save."""
+    from .calib_data import data_paths
     from .checkpoint import load_checkpoint, save_checkpoint
+    from .fsio import check_output
     from .layouts import DEFAULT_LAYOUT_FOR_GATE
     from .schemes import get_scheme
 
     scheme = get_scheme(scheme_name)
+    inputs = (model_path, *data_paths(calib_data if scheme.needs_calibration else None))
+    check_output(out, "checkpoint", inputs)
     loaded = load_checkpoint(model_path)
     if "quant_scheme" in loaded.model.cfg.extra:
         raise QuantgateError(f"{model_path} is already quantized ({loaded.model.cfg.extra['quant_scheme']['name']})")
@@ -196,11 +216,13 @@ def quantize_checkpoint(model_path: str, scheme_name: str, out: str, calib_data:
     if scheme.needs_calibration:
         if loaded.tokenizer is None:
             raise QuantgateError(f"{model_path}: no tokenizer.json, cannot tokenize calibration text")
+        from .evaluate import check_ctx
+        check_ctx(ctx, loaded.model.cfg.max_seq_len, model_path)
         windows = calibration_windows(loaded.tokenizer, calib_data, n_windows, ctx, seed)
     model = quantize_(loaded.model, scheme, windows)
     model.cfg.extra = {**model.cfg.extra, "quant_state": saved_quantization(model),
                        "quantized_from": str(model_path)}
     layout = loaded.layout if loaded.layout != DEFAULT_LAYOUT_FOR_GATE[model.cfg.gate] else None
-    save_checkpoint(model, out, loaded.tokenizer, layout=layout, inputs=(model_path,))
+    save_checkpoint(model, out, loaded.tokenizer, layout=layout, inputs=inputs)
     return {"model": str(model_path), "scheme": scheme.to_dict(), "out": str(out),
             "calibration_windows": 0 if windows is None else len(windows)}

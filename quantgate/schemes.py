@@ -36,6 +36,46 @@ class Scheme:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_saved(cls, d, where: str) -> "Scheme":
+        """A scheme read back from a checkpoint's config.json: every field checked (the file may have been
+        edited by hand), one error line naming the field otherwise."""
+        if not isinstance(d, dict):
+            raise QuantgateError(f"{where}: quant_scheme must be a JSON object")
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        if unknown or not isinstance(d.get("name"), str):
+            raise QuantgateError(f"{where}: quant_scheme has unknown fields {unknown[:3]} or no name")
+        for k, (ok, want) in _SAVED_FIELDS.items():
+            if k in d and not ok(d[k]):
+                raise QuantgateError(f"{where}: quant_scheme.{k} must be {want}, got {str(d[k])[:40]}")
+        return cls(**d)
+
+
+def _bits(lo: int, hi: int):
+    return lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi)
+
+
+def _flag(v) -> bool:
+    return isinstance(v, bool)
+
+
+def _number(lo: float, hi: float, none: bool = False):
+    return lambda v: (none and v is None) or (isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi)
+
+
+_SAVED_FIELDS = {  # field -> (check, what it must be)
+    "weight_bits": (_bits(2, 8), "2..8 or null"), "group_size": (_bits(1, 1 << 16), "a positive integer or null"),
+    "act": (lambda v: v in (None, "static", "dynamic"), "null, static or dynamic"),
+    "act_bits": (lambda v: v is not None and _bits(2, 16)(v), "2..16"),
+    "calib": (lambda v: v in ("minmax", "percentile"), "minmax or percentile"),
+    "percentile": (_number(50, 100), "a number in [50, 100]"), "symmetric": (_flag, "true or false"),
+    "sink_aware": (_flag, "true or false"), "gate_bits": (_bits(2, 16), "2..16 or null"),
+    "gate_scope": (lambda v: v in ("gate", "q_and_gate"), "gate or q_and_gate"),
+    "method": (lambda v: v in ("rtn", "gptq"), "rtn or gptq"),
+    "smooth_alpha": (_number(0, 1, none=True), "a number in [0, 1] or null"),
+    "kv_bits": (_bits(2, 16), "2..16 or null"),
+}
+
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("w8a8-static", act="static"),
