@@ -5,9 +5,12 @@ Ctrl-C ends with exit code 130, SIGTERM with 143. Nothing half-written is left b
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import sys
+import threading
 
 import click
 
@@ -25,20 +28,74 @@ class Terminated(BaseException):
 _signalled: list[int] = interrupts
 
 
+_state = {"raised": False, "deferred": 0}
+
+
+def _in_import(frame) -> bool:
+    """Is Python importing a module right now? An exception raised inside a native extension's initialisation
+    (onnx's nanobind, for one) escapes through C++ and aborts the whole process."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _redeliver(signum: int) -> None:
+    _state["deferred"] += 1
+    os.kill(os.getpid(), signum)
+
+
 def _on_signal(signum, frame):
-    _signalled.append(signum)
+    """The first signal interrupts the work (once no import is running: it is handed back 50 ms later); later
+    ones (a second Ctrl-C while temporary files are being removed) are only recorded, so the cleanup finishes.
+    Every signal is recorded at once, so the atomic writers refuse to commit from then on."""
+    if _state["deferred"]:
+        _state["deferred"] -= 1  # our own redelivery: recorded already
+    else:
+        _signalled.append(signum)
+    if _state["raised"]:
+        return
+    if _in_import(frame):
+        t = threading.Timer(0.05, _redeliver, (signum,))
+        t.daemon = True
+        t.start()
+        return
+    _state["raised"] = True
     raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def _exit(code: int, line: str):
+    """Print the one error line and leave at once. Every temporary path is gone by now (the exception has
+    unwound every writer); skipping the interpreter's shutdown keeps native libraries' exit handlers, which can
+    abort a process interrupted mid-call, from turning a clean error into a crash."""
+    for s in (signal.SIGINT, signal.SIGTERM):  # nothing may interrupt the last line
+        signal.signal(s, signal.SIG_IGN)
+    click.echo(line, err=True)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def _stop(signum: int):
     if signum == signal.SIGTERM:
-        click.echo("error: terminated (SIGTERM); nothing half-written was kept", err=True)
-        sys.exit(143)
-    click.echo("error: interrupted (Ctrl-C); nothing half-written was kept", err=True)
-    sys.exit(130)
+        _exit(143, "error: terminated (SIGTERM); nothing half-written was kept")
+    _exit(130, "error: interrupted (Ctrl-C); nothing half-written was kept")
+
+
+def _one_line(e) -> str:
+    """An error message as one line, whatever a library put into it."""
+    return " ".join(str(e).split())
 
 
 class QuantgateGroup(click.Group):
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as e:  # an unknown top-level option: one line too
+            _exit(2, f"error: {_one_line(e.format_message())} (see 'quantgate --help')")
+
     def invoke(self, ctx):
         signal.signal(signal.SIGTERM, _on_signal)
         signal.signal(signal.SIGINT, _on_signal)
@@ -47,17 +104,14 @@ class QuantgateGroup(click.Group):
         except QuantgateError as e:
             if _signalled:
                 _stop(_signalled[0])
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
+            _exit(2, f"error: {_one_line(e)}")
         except click.UsageError as e:  # click's three-line usage message, as one line
             where = f" (see '{e.ctx.command_path} --help')" if e.ctx else ""
-            click.echo(f"error: {e.format_message()}{where}", err=True)
-            sys.exit(2)
+            _exit(2, f"error: {_one_line(e.format_message())}{where}")
         except OSError as e:  # the file system said no (a file where a folder must be, permissions, ...)
             if _signalled:
                 _stop(_signalled[0])
-            click.echo(f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {e}", err=True)
-            sys.exit(2)
+            _exit(2, f"error: {e.filename}: {e.strerror}" if e.filename else f"error: {_one_line(e)}")
         except KeyboardInterrupt:
             _stop(signal.SIGINT)
         except Terminated:
@@ -86,6 +140,27 @@ def _emit(obj: dict, as_json: bool) -> None:
             click.echo(f"{k:>20}: {v}")
 
 
+COUNT = click.IntRange(1, 1 << 30)          # steps, windows, tokens
+CTX = click.IntRange(2, 1 << 20)             # window length: BOS plus at least one scored token
+SEED = click.IntRange(0, 2 ** 32 - 1)
+THREADS = click.IntRange(1, 1024)
+
+
+class Device(click.ParamType):
+    """cpu, cuda or cuda:N (and auto where the command can choose): checked here, before any work."""
+    name = "device"
+
+    def __init__(self, auto: bool = False):
+        self.auto = auto
+
+    def convert(self, value, param, ctx):
+        import re
+        v = str(value).strip().lower()
+        if v in ("cpu", "cuda") or re.fullmatch(r"cuda:\d{1,2}", v) or (self.auto and v == "auto"):
+            return v
+        self.fail(f"{value!r} is not {'auto, ' if self.auto else ''}cpu, cuda or cuda:N", param, ctx)
+
+
 DATA_HELP = ("text source: 'embedded' (the Python standard library's sources, always available), a text "
              "file, a folder, a glob, a WikiText-style file, or a local HF datasets folder (save_to_disk)")
 
@@ -98,20 +173,24 @@ DATA_HELP = ("text source: 'embedded' (the Python standard library's sources, al
 @click.option("--twins", is_flag=True, help="train a baseline and a gated model side by side: same init, same batches")
 @click.option("--data", default="embedded", show_default=True, help=DATA_HELP)
 @click.option("--out", required=True, type=click.Path(), help="run directory (state/, baseline/, gated/)")
-@click.option("--steps", default=1800, show_default=True)
-@click.option("--batch-size", default=8, show_default=True, help="global batch (split over torchrun ranks)")
-@click.option("--ctx", default=256, show_default=True, help="window length in tokens, BOS included")
-@click.option("--lr", default=3e-3, show_default=True)
-@click.option("--warmup", default=100, show_default=True)
-@click.option("--weight-decay", default=0.1, show_default=True)
-@click.option("--grad-clip", default=1.0, show_default=True)
-@click.option("--seed", default=0, show_default=True)
-@click.option("--vocab-size", type=int, default=None, help="BPE vocabulary (default: the preset's)")
+@click.option("--steps", type=COUNT, default=1800, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1, 1 << 16), default=8, show_default=True,
+              help="global batch (split over torchrun ranks)")
+@click.option("--ctx", type=CTX, default=256, show_default=True, help="window length in tokens, BOS included")
+@click.option("--lr", type=click.FloatRange(0, 10, min_open=True), default=3e-3, show_default=True)
+@click.option("--warmup", type=click.IntRange(0, 1 << 30), default=100, show_default=True)
+@click.option("--weight-decay", type=click.FloatRange(0, 10), default=0.1, show_default=True)
+@click.option("--grad-clip", type=click.FloatRange(0, 1e6, min_open=True), default=1.0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
+@click.option("--vocab-size", type=click.IntRange(259, 1 << 20), default=None,
+              help="BPE vocabulary (default: the preset's)")
 @click.option("--byte-tokenizer", is_flag=True, help="256 bytes + specials instead of BPE")
-@click.option("--max-chars", type=int, default=None, help="use only the first N characters of the corpus")
-@click.option("--ckpt-every", default=200, show_default=True, help="write a resumable checkpoint every N steps")
-@click.option("--threads", type=int, default=None, help="CPU threads (default: torch's)")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda (bf16 autocast)")
+@click.option("--max-chars", type=COUNT, default=None, help="use only the first N characters of the corpus")
+@click.option("--ckpt-every", type=COUNT, default=200, show_default=True,
+              help="write a resumable checkpoint every N steps")
+@click.option("--threads", type=THREADS, default=None, help="CPU threads (default: torch's)")
+@click.option("--device", type=Device(auto=True), default="auto", show_default=True,
+              help="auto, cpu, cuda or cuda:N (bf16 autocast on CUDA)")
 @click.option("--compile", "compile_", is_flag=True,
               help="torch.compile the model: faster steps after about a minute of compiling per model")
 @click.option("--resume", is_flag=True, help="continue the run in --out from its last checkpoint")
@@ -127,18 +206,20 @@ def train(out, resume, compile_, **kw):
 @main.command("eval")
 @click.argument("model", type=click.Path())
 @click.option("--data", default="embedded", show_default=True, help=DATA_HELP)
-@click.option("--ctx", default=256, show_default=True, help="window length, BOS included")
+@click.option("--ctx", type=CTX, default=256, show_default=True, help="window length, BOS included")
 @click.option("--split", type=click.Choice(["auto", "all", "train", "valid", "test"]), default="auto",
               show_default=True, help="auto: test split of the embedded corpus, whole text otherwise")
-@click.option("--max-windows", type=int, default=None, help="evaluate at most N windows")
+@click.option("--max-windows", type=COUNT, default=None, help="evaluate at most N windows")
 @click.option("--reference", type=click.Path(), default=None,
               help="float model to compare against: adds KL divergence, top-1 agreement and the perplexity delta")
 @click.option("--torchao", type=click.Choice(["int8-dynamic", "int4-weight"]), default=None,
               help="run with torchao's real integer kernels (int4-weight needs CUDA)")
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda")
+@click.option("--device", type=Device(), default="cpu", show_default=True,
+              help="cpu, cuda or cuda:N (torch and ONNX Runtime; a GGUF offloads its layers where llama.cpp has a GPU "
+                   "backend, and is refused otherwise)")
 @click.option("--kv-type", type=click.Choice(["f32", "f16", "q8_0", "q4_0"]), default="f32", show_default=True,
               help="GGUF only: llama.cpp KV-cache type (f32 for parity; q8_0/q4_0 to study KV quantization)")
-@click.option("--threads", type=int, default=None, help="GGUF only: llama.cpp threads")
+@click.option("--threads", type=THREADS, default=None, help="CPU threads (llama.cpp, ONNX Runtime)")
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
 def eval_cmd(model, data, ctx, split, max_windows, reference, torchao, device, kv_type, threads, as_json):
     """Perplexity of MODEL (a model directory, a .gguf run by llama.cpp, or an ONNX export run by ONNX
@@ -161,7 +242,8 @@ GGUF_TYPES_HELP = "Q8_0, Q6_K, Q5_K_M, Q5_K_S, Q5_0, Q4_K_M, Q4_K_S, Q4_0, IQ4_N
 @click.option("--scheme", default=None, help="torch: w8a8-static[-sym|-pct|-sink], w8a8-smoothquant, w8a8-dynamic, "
               "w8a16, kv-int8, kv-int4, w4a16-g32|g64|g128, w4a16-g32-gate8, w4a16-g32-qgate8, gptq-w4a16-g32|g128; "
               "onnxruntime: int8-dynamic, int8-static, int8-weight, int4")
-@click.option("--block-size", default=32, show_default=True, help="onnxruntime int4/int8-weight: block size")
+@click.option("--block-size", type=click.IntRange(16, 256), default=32, show_default=True,
+              help="onnxruntime int4/int8-weight: block size (16, 32, 64, 128 or 256)")
 @click.option("--type", "qtype", default=None, help=f"llama.cpp: {GGUF_TYPES_HELP}")
 @click.option("--imatrix", type=click.Choice(["auto"]), default=None,
               help="llama.cpp: importance matrix computed in PyTorch from --calib-data")
@@ -171,10 +253,10 @@ GGUF_TYPES_HELP = "Q8_0, Q6_K, Q5_K_M, Q5_K_S, Q5_0, Q4_K_M, Q4_K_S, Q4_0, IQ4_N
 @click.option("--out", required=True, type=click.Path(), help="output model directory (torch, ONNX) or .gguf file")
 @click.option("--calib-data", default="embedded", show_default=True,
               help="calibration text (the embedded corpus's valid split; never its test split)")
-@click.option("--calib-windows", default=32, show_default=True)
-@click.option("--ctx", default=256, show_default=True)
-@click.option("--seed", default=0, show_default=True)
-@click.option("--threads", type=int, default=None, help="llama.cpp quantizer threads")
+@click.option("--calib-windows", type=COUNT, default=32, show_default=True)
+@click.option("--ctx", type=CTX, default=256, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
+@click.option("--threads", type=THREADS, default=None, help="llama.cpp quantizer threads")
 def quantize(model, backend, scheme, block_size, qtype, imatrix, gate_bits, out, calib_data, calib_windows, ctx, seed,
              threads):
     """Quantize MODEL: a model directory under a named PyTorch scheme (writes a loadable checkpoint that
@@ -249,15 +331,19 @@ def export_onnx_cmd(model, out, opset, graph, dtype):
 @main.command()
 @click.argument("model", type=click.Path())
 @click.option("--prompt", required=True, help="text to continue (BOS is put in front)")
-@click.option("--max-tokens", default=64, show_default=True)
-@click.option("--temperature", default=0.0, show_default=True, help="0: greedy")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--max-tokens", type=COUNT, default=64, show_default=True,
+              help="at most this many new tokens (fewer when the model's context fills up)")
+@click.option("--temperature", type=click.FloatRange(0, 100), default=0.0, show_default=True, help="0: greedy")
+@click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--kv-type", type=click.Choice(["f32", "f16", "q8_0", "q4_0"]), default="f16", show_default=True,
               help="GGUF only: llama.cpp KV-cache type")
-@click.option("--threads", type=int, default=None)
+@click.option("--threads", type=THREADS, default=None)
 def generate(model, prompt, max_tokens, temperature, seed, kv_type, threads):
-    """Stream a continuation of --prompt from MODEL (a .gguf via llama.cpp, or a model directory), then
-    print prefill and decode speeds."""
+    """Stream a continuation of --prompt from MODEL (a .gguf run by llama.cpp, an ONNX export run by ONNX Runtime,
+    or a model directory run by PyTorch), then print prefill and decode speeds.
+
+    The prompt and the new tokens share the model's context: a prompt that fills it is refused, and generation
+    stops early (and says so) when the context is full."""
     from quantgate.generate import generate as run
     from quantgate.progress import console
 
@@ -268,6 +354,9 @@ def generate(model, prompt, max_tokens, temperature, seed, kv_type, threads):
     click.echo(prompt, nl=False)
     res = run(model, prompt, max_tokens, temperature, seed, kv_type, threads, on_text=show)
     click.echo("")
+    if res.stopped_at_context:
+        console.print(f"stopped after {res.new_tokens} new tokens: the model's context of {res.context} tokens is full",
+                      markup=False, highlight=False)
     console.print(f"[{res.backend}] prompt {res.prompt_tokens} tokens: prefill {res.prefill_tps:.1f} tok/s; "
                   f"{res.new_tokens} new tokens: decode {res.decode_tps:.1f} tok/s", markup=False, highlight=False)
 
@@ -284,11 +373,11 @@ def info(model, as_json):
 @main.command()
 @click.argument("model", type=click.Path())
 @click.option("--data", default="embedded", show_default=True, help=DATA_HELP)
-@click.option("--windows", "n_windows", default=32, show_default=True, help="calibration windows to run")
-@click.option("--ctx", default=256, show_default=True, help="window length, BOS included")
+@click.option("--windows", "n_windows", type=COUNT, default=32, show_default=True, help="windows to run")
+@click.option("--ctx", type=CTX, default=256, show_default=True, help="window length, BOS included")
 @click.option("--split", type=click.Choice(["auto", "all", "train", "valid", "test"]), default="auto",
               show_default=True)
-@click.option("--seed", default=0, show_default=True, help="window sampler seed")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="window sampler seed")
 @click.option("--compare", type=click.Path(), default=None, help="a second model (the twin) on the same windows")
 @click.option("--json", "json_out", type=click.Path(), default=None, help="write the full report here")
 @click.option("--plots", type=click.Path(), default=None, help="write PNG plots into this folder")
@@ -342,9 +431,10 @@ def analyze(model, data, n_windows, ctx, split, seed, compare, json_out, plots, 
 @click.argument("model", type=click.Path())
 @click.option("--scheme", required=True, help="a scheme name, as for `quantgate quantize`")
 @click.option("--data", default="embedded", show_default=True, help=DATA_HELP)
-@click.option("--windows", "n_windows", default=16, show_default=True, help="held-out windows scored per run")
-@click.option("--calib-windows", default=16, show_default=True)
-@click.option("--ctx", default=256, show_default=True)
+@click.option("--windows", "n_windows", type=COUNT, default=16, show_default=True,
+              help="held-out windows scored per run")
+@click.option("--calib-windows", type=COUNT, default=16, show_default=True)
+@click.option("--ctx", type=CTX, default=256, show_default=True)
 @click.option("--json", "json_out", type=click.Path(), default=None, help="write the full attribution here")
 def attribute(model, scheme, data, n_windows, calib_windows, ctx, json_out):
     """Which Linear inputs carry the quantization error: one group, one layer, one cell at a time."""
@@ -373,10 +463,10 @@ def attribute(model, scheme, data, n_windows, calib_windows, ctx, json_out):
 @click.option("--schemes", default=None,
               help="comma list of backend:scheme (e.g. torch:w8a8-static,onnx:int4,gguf:Q4_K_M,gguf:kv-q4_0); "
                    "default: a set per backend (see quantgate.report.DEFAULT_SCHEMES)")
-@click.option("--windows", default=16, show_default=True, help="held-out windows scored per cell")
-@click.option("--ctx", default=256, show_default=True)
-@click.option("--calib-windows", default=16, show_default=True)
-@click.option("--threads", type=int, default=None)
+@click.option("--windows", type=COUNT, default=16, show_default=True, help="held-out windows scored per cell")
+@click.option("--ctx", type=CTX, default=256, show_default=True)
+@click.option("--calib-windows", type=COUNT, default=16, show_default=True)
+@click.option("--threads", type=THREADS, default=None)
 @click.option("--out", required=True, type=click.Path(), help="report directory (cells/, artifacts/, plots/, report.*)")
 def report(models, data, backends, schemes, windows, ctx, calib_windows, threads, out):
     """Accuracy against bits for the twins side by side, per backend and scheme, with their outliers, the
@@ -404,7 +494,7 @@ def report(models, data, backends, schemes, windows, ctx, calib_windows, threads
 @click.option("--out", default="quantgate-demo", show_default=True, type=click.Path(), help="output directory")
 @click.option("--fast", is_flag=True, help="tiny twins, a few minutes (CI)")
 @click.option("--gate", type=click.Choice(["headwise", "elementwise"]), default="elementwise", show_default=True)
-@click.option("--threads", type=int, default=None)
+@click.option("--threads", type=THREADS, default=None)
 def demo(out, fast, gate, threads):
     """Train baseline and gated twins on the embedded corpus, evaluate them on held-out text, analyse their
     outliers side by side (analysis.json, plots/), export and quantize both on every backend and write the

@@ -13,7 +13,7 @@ from .calib_data import load_corpus, sample_windows, tokenize_corpus
 from .checkpoint import load_checkpoint
 from .errors import QuantgateError
 from .evaluate import default_split
-from .fsio import atomic_file, write_json
+from .fsio import atomic_file, check_output, claim_folder, write_json
 from .outliers import analyze_model
 
 
@@ -23,6 +23,8 @@ def analyze(model_path: str, data: str = "embedded", ctx: int = 256, n_windows: 
     tok = loaded.tokenizer
     if tok is None:
         raise QuantgateError(f"{model_path}: no tokenizer.json, cannot tokenize the analysis text")
+    from .evaluate import check_ctx
+    check_ctx(ctx, loaded.model.cfg.max_seq_len, model_path)
     split = default_split(data) if split == "auto" else split
     corpus = load_corpus(data).split(split)
     if not corpus.documents:
@@ -46,7 +48,7 @@ def plot_reports(reports: dict[str, dict], out_dir: str | Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out_dir = Path(out_dir)
+    out_dir = claim_folder(out_dir, "plots")
     paths = []
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name, rep in reports.items():
@@ -95,6 +97,12 @@ def run_analyze(model: str, data: str, ctx: int, n_windows: int, split: str, see
                 reference: str | None = None) -> dict:
     """Outlier reports (MODEL may be a .gguf: it is dequantized); with `reference`, the gate-survival check
     of MODEL's gate rows against the reference's (quantgate.gate_survival)."""
+    from .calib_data import data_paths
+    inputs = (model, compare, reference, *data_paths(data))
+    if json_out:
+        check_output(json_out, "analysis", inputs, flag="--json")
+    if plots:
+        check_output(plots, "plots", inputs, flag="--plots")
     reports = {Path(model).name or model: analyze(model, data, ctx, n_windows, split, seed)}
     if compare:
         name = Path(compare).name or compare
@@ -106,7 +114,7 @@ def run_analyze(model: str, data: str, ctx: int, n_windows: int, split: str, see
         from .gate_survival import check_gate_survival
         result["gate_survival"] = check_gate_survival(model, reference, data, min(n_windows, 8), ctx, seed)
     if json_out:
-        write_json(json_out, result)
+        write_json(json_out, result, kind="analysis")
     if plots:
         result["plots"] = [str(p) for p in plot_reports(reports, plots)]
     return result

@@ -75,10 +75,16 @@ def attribute_model(model_path: str, scheme_name: str, data: str = "embedded", n
     from .fsio import write_json
     from .schemes import get_scheme
 
+    from .calib_data import data_paths
+    from .fsio import check_output
     scheme = get_scheme(scheme_name)
+    if json_out:
+        check_output(json_out, "attribution", (model_path, *data_paths(data)), flag="--json")
     loaded = load_checkpoint(model_path)
     if loaded.tokenizer is None:
         raise QuantgateError(f"{model_path}: no tokenizer.json, cannot tokenize the text")
+    from .evaluate import check_ctx
+    check_ctx(ctx, loaded.model.cfg.max_seq_len, model_path)
     corpus = load_corpus(data)
     test = corpus.split(default_split(data))
     windows = eval_windows(tokenize_corpus(test, loaded.tokenizer).ids, ctx, loaded.tokenizer.bos_id, n_windows)
@@ -88,5 +94,5 @@ def attribute_model(model_path: str, scheme_name: str, data: str = "embedded", n
         calib = sample_windows(tokenize_corpus(cal_split, loaded.tokenizer), n_calib, ctx, seed=0)
     rep = {"model": str(model_path), **attribute_error(loaded.model, scheme, calib, windows)}
     if json_out:
-        write_json(json_out, rep)
+        write_json(json_out, rep, kind="attribution")
     return rep

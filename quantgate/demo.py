@@ -7,17 +7,21 @@ GGUF. Finished stages are reused on a re-run and an interrupted training resumes
 """
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
 from rich.table import Table
 
 from .analyze import run_analyze
+from .errors import QuantgateError
 from .evaluate import evaluate_model
-from .fsio import check_output_dir, write_json
+from .fsio import check_output, claim_folder, read_marker, signals_held, write_json
 from .progress import console
-from .train import TrainConfig, train
+from .train import TrainConfig, train, trajectory
 
 DEMO_RECIPES = {
     # 1200 steps x 8 x 256 (2.4M tokens) is what fits the 20-minute demo on 2 cores beside the report.
@@ -43,23 +47,72 @@ RECIPE_NOTES = {  # printed in the report: why the twins were trained this way
 }
 
 
+TRAINED = ("state", "baseline", "gated")  # what the train stage writes into the demo folder
+
+
+def _recorded(path: Path) -> dict | None:
+    """The training settings a demo model or training state records (None when it records none)."""
+    try:
+        if path.name == "state":
+            return json.loads((path / "run.json").read_text()).get("train_config")
+        return json.loads((path / "config.json").read_text()).get("quantgate", {}).get("train_config")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _trained_by(out: Path, tc: TrainConfig) -> str:
+    """'models' when the twins in `out` were trained by exactly these settings (gate included), 'state' when
+    only a matching interrupted run is there, 'other' when something else is, 'none' when nothing is."""
+    want = trajectory(tc)
+    present = [n for n in TRAINED if os.path.lexists(out / n)]
+    if not present:
+        return "none"
+    got = {n: _recorded(out / n) for n in present}
+    strip = lambda d: {k: v for k, v in (d or {}).items() if k in want}  # noqa: E731
+    if any(strip(d) != want for d in got.values()):
+        return "other"
+    return "models" if {"baseline", "gated"} <= set(present) else "state"
+
+
+def _retire(out: Path) -> None:
+    """Remove the train stage's earlier outputs (quantgate's own, checked) before training other settings."""
+    for n in TRAINED:
+        p = out / n
+        ours = (p / "run.json").is_file() if n == "state" else (read_marker(p) or {}).get("artifact") == "checkpoint"
+        if os.path.lexists(p) and not ours:
+            raise QuantgateError(f"{p} was not written by quantgate's train stage; move it away or choose another "
+                                 f"--out")
+    trash = Path(tempfile.mkdtemp(prefix=".retired.", suffix=".tmp", dir=out))
+    with signals_held():
+        for n in TRAINED:
+            if os.path.lexists(out / n):
+                os.replace(out / n, trash / n)
+        shutil.rmtree(trash, ignore_errors=True)
+
+
 def run_demo(out: str | Path, fast: bool = False, gate: str = "elementwise", threads: int | None = None,
              eval_windows: int | None = None) -> dict:
     out = Path(out)
-    check_output_dir(out)
+    check_output(out, "demo")
     recipe = dict(DEMO_RECIPES["fast" if fast else "full"])
-    # torch.compile makes the full recipe's steps 1.29x faster (benchmarks/results/train_throughput.json) for
-    # ~40 s of compiling per model; it needs a C compiler, so machines without one train eagerly.
-    recipe["compile"] = not fast and (shutil.which("cc") or shutil.which("gcc")) is not None
+    # Eager training: torch.compile's step time over eager's measured 1.00 in the latest
+    # benchmarks/results/train_throughput.json (an earlier session's run of that script: 1.18), which does not
+    # pay for its ~50 s of compiling and its C-compiler requirement.
     tc = TrainConfig(twins=True, gate=gate, data="embedded", threads=threads,
                      ckpt_every=50 if fast else 200, **recipe)
     stages = {}
     models = {k: out / k for k in ("baseline", "gated")}
     t = time.time()
-    if all((p / "config.json").is_file() for p in models.values()):
-        console.print(f"[green]train[/]: reusing {out}/baseline and {out}/gated")
+    claim_folder(out, "demo")
+    found = _trained_by(out, tc)
+    if found == "models":
+        console.print(f"[green]train[/]: reusing {out}/baseline and {out}/gated (trained by this recipe, gate {gate})")
     else:
-        resume = (out / "state" / "train_state.pt").is_file()
+        if found == "other":
+            console.print(f"train: {out} holds twins or a run trained by other settings (another recipe or gate); "
+                          "training again", markup=False, highlight=False)
+            _retire(out)
+        resume = found == "state" and (out / "state" / "train_state.pt").is_file()
         console.print(f"[bold]train[/]: {recipe['preset']} twins, {tc.steps} steps"
                       + (" (resuming)" if resume else ""))
         models = train(tc, out, resume=resume)

@@ -81,6 +81,8 @@ def check_gate_survival(artifact: str, reference: str, data: str = "embedded", n
     art = load_checkpoint(artifact)
     if ref.tokenizer is None:
         raise QuantgateError(f"{reference}: no tokenizer.json, cannot tokenize calibration text")
+    from .evaluate import check_ctx
+    check_ctx(ctx, ref.model.cfg.max_seq_len, reference)
     windows = calibration_windows(ref.tokenizer, data, n_windows, ctx, seed)
     rep = gate_survival(art.model, ref.model, windows)
     rep.update(artifact=str(artifact), reference=str(reference), windows=int(len(windows)), ctx=ctx)

@@ -26,9 +26,20 @@ class GenerateResult:
     prefill_tps: float
     decode_tps: float
     backend: str
+    context: int = 0                 # the model's context in tokens (prompt and new tokens share it)
+    stopped_at_context: bool = False  # fewer than --max-tokens because the context was full
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
+
+
+def token_budget(n_prompt: int, max_tokens: int, context: int, model_path) -> int:
+    """The one rule on every backend: a prompt (BOS included) must leave room for one new token in the model's
+    context, else it is refused; new tokens stop when the context is full."""
+    if n_prompt >= context:
+        raise QuantgateError(f"the prompt is {n_prompt} tokens (BOS included) and {model_path}'s context is "
+                             f"{context}: shorten the prompt")
+    return min(max_tokens, context - n_prompt)
 
 
 def _torch_tokens(model, ids: list[int], max_tokens: int, temperature: float, seed: int, eos: int,
@@ -42,6 +53,8 @@ def _torch_tokens(model, ids: list[int], max_tokens: int, temperature: float, se
         timing["prefill_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         for n in range(max_tokens):
+            if not torch.isfinite(logits).all():
+                raise QuantgateError("the model produced NaN or Inf logits: its activations overflowed")
             if temperature > 0:
                 tok = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g))
             else:
@@ -49,7 +62,7 @@ def _torch_tokens(model, ids: list[int], max_tokens: int, temperature: float, se
             if tok == eos:
                 break
             yield tok
-            if n + 1 == max_tokens or pos + 1 >= model.cfg.max_seq_len:
+            if n + 1 == max_tokens:
                 break
             out = model(torch.tensor([[tok]]), past=past, start_pos=pos)
             past, pos, logits = out["past"], pos + 1, out["logits"][0, -1]
@@ -85,37 +98,46 @@ def generate(model_path: str, prompt: str, max_tokens: int = 64, temperature: fl
                 on_text(s)
 
     if str(model_path).lower().endswith(".gguf"):
-        from .gguf_file import open_reader, tokenizer_from_gguf
+        from .gguf_file import check_finite_weights, inspect_gguf, open_reader, tokenizer_from_gguf
         from .llama_runner import LlamaRunner
+        context = inspect_gguf(model_path).context_length
+        check_finite_weights(model_path)
         tok = tokenizer_from_gguf(open_reader(model_path))
         ids = [tok.bos_id] + tok.encode(prompt)
-        with LlamaRunner(model_path, n_ctx=len(ids) + max_tokens + 1, kv_type=kv_type, threads=threads,
+        budget = token_budget(len(ids), max_tokens, context, model_path)
+        with LlamaRunner(model_path, n_ctx=len(ids) + budget, kv_type=kv_type, threads=threads,
                          logits_all=False) as r:
-            for _tid, b in r.generate(ids, max_tokens, temperature, seed, stop_ids=(tok.eos_id,)):
+            for _tid, b in r.generate(ids, budget, temperature, seed, stop_ids=(tok.eos_id,)):
                 emit(b)
             st = r.last_stats
             backend = f"llama.cpp:{r.info.file_type} (KV {kv_type})"
         emit(b"")
-        return GenerateResult("".join(pieces), len(ids), st.generated_tokens, st.prefill_tps, st.decode_tps, backend)
+        return GenerateResult("".join(pieces), len(ids), st.generated_tokens, st.prefill_tps, st.decode_tps, backend,
+                              context, budget < max_tokens and st.generated_tokens == budget)
 
     from .onnx_weights import is_onnx
     if is_onnx(model_path):
+        from .onnx_weights import check_finite_initializers, onnx_context
         from .ort_runner import OrtRunner, read_meta, resolve_onnx
         from .tokenizer import load_tokenizer
-        _, model_dir = resolve_onnx(model_path)
+        onnx_path, model_dir = resolve_onnx(model_path)
         meta = read_meta(model_dir)
+        context = onnx_context(model_dir)
         tok = load_tokenizer(model_dir, meta.get("bos_id"), meta.get("eos_id"))
         ids = [tok.bos_id] + tok.encode(prompt)
+        budget = token_budget(len(ids), max_tokens, context, model_path)
         with OrtRunner(model_path, threads=threads) as r:
+            check_finite_initializers(onnx_path)
             new: list[int] = []
             prev = ""
-            for t in r.generate(ids, max_tokens, temperature, seed, stop_ids=(tok.eos_id,)):
+            for t in r.generate(ids, budget, temperature, seed, stop_ids=(tok.eos_id,)):
                 new.append(t)
                 prev = _emit_tail(tok, new, prev, pieces, on_text)
             pre_s, dec_s, n = r.last_stats
         scheme = (meta.get("quantization") or {}).get("scheme") or meta.get("dtype", "fp32")
         return GenerateResult("".join(pieces), len(ids), n, len(ids) / pre_s,
-                              (n - 1) / dec_s if n > 1 and dec_s > 0 else float("nan"), f"onnxruntime:{scheme}")
+                              (n - 1) / dec_s if n > 1 and dec_s > 0 else float("nan"), f"onnxruntime:{scheme}",
+                              context, budget < max_tokens and n == budget)
 
     from .checkpoint import load_checkpoint
     loaded = load_checkpoint(model_path)
@@ -125,14 +147,15 @@ def generate(model_path: str, prompt: str, max_tokens: int = 64, temperature: fl
     if threads:
         torch.set_num_threads(threads)
     ids = [tok.bos_id] + tok.encode(prompt)
-    if len(ids) >= loaded.model.cfg.max_seq_len:
-        raise QuantgateError(f"the prompt has {len(ids)} tokens, the model's context is {loaded.model.cfg.max_seq_len}")
+    context = loaded.model.cfg.max_seq_len
+    budget = token_budget(len(ids), max_tokens, context, model_path)
     timing: dict = {}
     new: list[int] = []
     prev = ""
-    for t in _torch_tokens(loaded.model, ids, max_tokens, temperature, seed, tok.eos_id, timing):
+    for t in _torch_tokens(loaded.model, ids, budget, temperature, seed, tok.eos_id, timing):
         new.append(t)
         prev = _emit_tail(tok, new, prev, pieces, on_text)
     n = len(new)
     return GenerateResult("".join(pieces), len(ids), n, len(ids) / timing["prefill_s"],
-                          (n - 1) / timing["decode_s"] if n > 1 and timing.get("decode_s") else float("nan"), "torch")
+                          (n - 1) / timing["decode_s"] if n > 1 and timing.get("decode_s") else float("nan"), "torch",
+                          context, budget < max_tokens and n == budget)

@@ -13,6 +13,7 @@ llama.cpp, switched on for those).
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -50,14 +51,21 @@ class GenerationStats:
 
 # --- child process ---------------------------------------------------------------------------------
 
-def _worker(conn, path: str, n_ctx: int, kv: str, threads: int, logits_all: bool) -> None:
-    """Runs in the child: load the model, then answer requests until 'close' or EOF."""
+def _worker(conn, path: str, n_ctx: int, kv: str, threads: int, logits_all: bool, gpu: int) -> None:
+    """Runs in the child: load the model, then answer requests until 'close' or EOF. gpu: -1 for the CPU, else
+    the CUDA device every layer is offloaded to."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent stops us
     try:
         import llama_cpp
+        if gpu >= 0 and not llama_cpp.llama_supports_gpu_offload():
+            conn.send(("error", f"--device cuda:{gpu}: this llama-cpp-python has no GPU backend (reinstall it with "
+                                f"CMAKE_ARGS=-DGGML_CUDA=on), so GGUF files run on the CPU only; drop --device"))
+            return
         flash = kv in ("q8_0", "q4_0")  # llama.cpp needs flash attention for a quantized V cache
         llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=logits_all,
                               n_threads=threads, n_threads_batch=threads, type_k=KV_TYPES[kv],
-                              type_v=KV_TYPES[kv], flash_attn=flash, verbose=False, n_gpu_layers=0)
+                              type_v=KV_TYPES[kv], flash_attn=flash, verbose=False,
+                              n_gpu_layers=-1 if gpu >= 0 else 0, main_gpu=max(gpu, 0))
     except Exception as e:
         conn.send(("error", f"llama.cpp could not load it ({str(e)[:120]})"))
         return
@@ -132,23 +140,29 @@ class LlamaRunner:
     """A GGUF model in a llama.cpp worker process. Use as a context manager (or call close())."""
 
     def __init__(self, path: str | Path, n_ctx: int = 512, kv_type: str = "f32", threads: int | None = None,
-                 logits_all: bool = True, name: str | None = None):
+                 logits_all: bool = True, name: str | None = None, device: str = "cpu"):
+        from .runners import cuda_index
+        gpu = cuda_index(device)
         if kv_type not in KV_TYPES:
             raise QuantgateError(f"unknown KV-cache type {kv_type!r}; choose from {', '.join(KV_TYPES)}")
         self.info: GGUFInfo = inspect_gguf(path)
         if kv_type in ("q8_0", "q4_0") and self.info.head_dim % 32:
             raise QuantgateError(f"KV-cache type {kv_type} needs a head dimension that is a multiple of 32 "
                                  f"(llama.cpp's block size); {path} has {self.info.head_dim}")
-        self.path, self.kv_type = Path(path), kv_type
+        if n_ctx > self.info.context_length:
+            raise QuantgateError(f"a context of {n_ctx} tokens is longer than {path}'s own context of "
+                                 f"{self.info.context_length} tokens")
+        self.path, self.kv_type, self.device = Path(path), kv_type, device
         self.name = name or f"llama.cpp:{self.path.name}"
         self.vocab_size = self.info.vocab_size
         threads = threads or min(os.cpu_count() or 1, 8)
         parent, child = socket.socketpair()
         self._stderr = tempfile.TemporaryFile()
         cmd = [sys.executable, "-m", "quantgate.llama_runner", str(child.fileno()), str(path), str(n_ctx), kv_type,
-               str(threads), str(int(logits_all))]
+               str(threads), str(int(logits_all)), str(-1 if gpu is None else gpu)]
         self._proc = subprocess.Popen(cmd, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
-                                      stdout=subprocess.DEVNULL, stderr=self._stderr)
+                                      stdout=subprocess.DEVNULL, stderr=self._stderr,
+                                      start_new_session=True)  # a terminal's Ctrl-C reaches only us; we stop it
         child.close()
         self._sock = parent
         self._conn = Connection(parent.detach())
@@ -156,7 +170,7 @@ class LlamaRunner:
         try:
             self._recv("loading")
         except BaseException:
-            self.close()
+            self.close(at_once=True)
             raise
 
     def _died(self, doing: str) -> QuantgateError:
@@ -215,9 +229,13 @@ class LlamaRunner:
         self._conn.send(("bench", list(prefill_ids), list(decode_ids), repeats))
         return self._recv("benchmarking")
 
-    def close(self) -> None:
+    def close(self, at_once: bool = False) -> None:
+        """Ask the worker to finish; `at_once` (an error or Ctrl-C in the parent, the worker possibly busy in a long
+        llama.cpp call) kills it instead of waiting."""
         if self._proc.poll() is None:
             try:
+                if at_once:
+                    raise subprocess.TimeoutExpired(self._proc.args, 0)
                 self._conn.send(("close",))
                 self._proc.wait(timeout=10)
             except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
@@ -229,13 +247,13 @@ class LlamaRunner:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, *exc):
+        self.close(at_once=exc_type is not None)
 
 
 def _child_main(argv: list[str]) -> None:
-    fd, path, n_ctx, kv, threads, logits_all = argv
-    _worker(Connection(int(fd)), path, int(n_ctx), kv, int(threads), bool(int(logits_all)))
+    fd, path, n_ctx, kv, threads, logits_all, gpu = argv
+    _worker(Connection(int(fd)), path, int(n_ctx), kv, int(threads), bool(int(logits_all)), int(gpu))
 
 
 if __name__ == "__main__":

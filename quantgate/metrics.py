@@ -49,6 +49,8 @@ def layer_sqnr(fp_model, q_model, windows: np.ndarray, batch: int = 4) -> dict:
     """
     from .qlinear import QuantLinear
     from .quantize import block_linears
+    device = next(q_model.parameters()).device  # both models on the quantized model's device (it may be CUDA)
+    fp_model = fp_model.to(device)
     fp_lin, q_lin = block_linears(fp_model), block_linears(q_model)
     acc = {n: {"in": [], "out": [], "in_noisy": False, "out_noisy": False} for n in fp_lin}
 
@@ -70,7 +72,7 @@ def layer_sqnr(fp_model, q_model, windows: np.ndarray, batch: int = 4) -> dict:
     try:
         with torch.inference_mode():
             for i in range(0, len(windows), batch):
-                fp_model(torch.as_tensor(windows[i:i + batch]))
+                fp_model(torch.as_tensor(windows[i:i + batch], device=device))
     finally:
         for h in hooks:
             h.remove()

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # long lines stay one line in logs
 
 
 def enabled() -> bool:

@@ -10,7 +10,7 @@ plots embedded as data URIs, opens offline). The conclusion is generated from th
 from __future__ import annotations
 
 import base64
-import hashlib
+import contextlib
 import html
 import json
 import math
@@ -22,8 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
-from .errors import QuantgateError
-from .fsio import atomic_file, check_output_dir, write_json
+from .errors import DiskFull, QuantgateError
+from .fsio import atomic_file, check_output, claim_folder, interrupts, write_json
+from .identity import code_id, content_id
+from .identity import key as ident_key
 from .progress import console
 
 TWINS = ("baseline", "gated")
@@ -35,6 +37,8 @@ DEFAULT_SCHEMES = {
 # KLDs within 2% of each other are called a tie, not a win: the twins' KLD ratios that separate demo training
 # runs produced ranged 1.03x-1.45x, and which configurations one twin won changed between runs.
 TIE_RATIO = 1.02
+BENCH_TOKENS = 192  # the speed runs prefill 128 tokens, then decode 64
+GATE_SURVIVAL_WINDOWS = 4  # calibration windows the gate-survival check of each gated artifact runs
 
 
 def gated_only(scheme: str) -> bool:
@@ -57,12 +61,46 @@ class ReportSettings:
     threads: int | None = None
     recipe_note: str | None = None      # why the twins were trained as they were (the demo says so here)
 
-    def cell_key(self) -> str:
-        """What a cached cell must match: the inputs' identities and the measurement settings."""
-        from .evaluate import _model_key
-        ident = [_model_key(self.baseline), _model_key(self.gated), self.data, self.windows, self.ctx,
-                 self.calib_windows, __version__]
-        return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
+
+@dataclass
+class Identity:
+    """What every cached result of one report run is keyed by: the twins' contents, the data's contents,
+    the measurement settings and the code (never paths, modification times or the version string)."""
+    models: dict          # twin -> content id
+    data: str             # corpus fingerprint
+    code: str
+
+    def cell_key(self, s: ReportSettings, *cell) -> str:
+        return ident_key("cell", self.code, self.models, self.data, s.windows, s.ctx, s.calib_windows,
+                         s.analysis_windows, *cell)
+
+    def calibration(self, s: ReportSettings) -> list:
+        return [self.data, s.calib_windows, s.ctx, 0]  # data content, windows, window length, sampler seed
+
+
+class Artifacts:
+    """Exported and quantized files under OUT/artifacts, each reused only while the key of what produced it
+    (recorded in artifacts/keys.json once it is complete) still matches; otherwise it is built again."""
+
+    def __init__(self, root: Path):
+        self.root, self.file = root, root / "keys.json"
+        self.keys: dict = {}
+        if self.file.is_file():
+            with contextlib.suppress(ValueError, OSError):
+                d = json.loads(self.file.read_text())
+                self.keys = d if isinstance(d, dict) else {}
+        self.log: dict[str, dict] = {}
+
+    def get(self, path: Path, k: str, build) -> Path:
+        rel = path.relative_to(self.root).as_posix()
+        if self.keys.get(rel) == k and path.exists():
+            self.log[rel] = {"key": k, "built": False}
+            return path
+        build(path)
+        self.keys[rel] = k
+        self.log[rel] = {"key": k, "built": True}
+        write_json(self.file, self.keys)
+        return path
 
 
 # --- cells -------------------------------------------------------------------------------------------
@@ -81,35 +119,34 @@ def _bench_torch(model, ids: list[int]) -> dict:
     return {"prefill_tps": 128 / (t1 - t0), "decode_tps": 64 / (t2 - t1)}
 
 
-def _torch_cell(s: ReportSettings, twin: str, scheme: str, art: Path) -> dict:
+def _torch_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, scheme: str) -> dict:
     from .evaluate import evaluate_model
     from .quantize import quantize_checkpoint
     from .schemes import get_scheme
-    src = getattr(s, twin)
-    if not (art / "config.json").is_file():
-        quantize_checkpoint(src, scheme, art, s.data, s.calib_windows, s.ctx)
+    src, sch = getattr(s, twin), get_scheme(scheme)
+    k = ident_key("torch", ident.code, ident.models[twin], scheme,
+                  ident.calibration(s) if sch.needs_calibration else None)
+    art = arts.get(arts.root / "torch" / f"{twin}-{scheme}", k,
+                   lambda p: quantize_checkpoint(src, scheme, p, s.data, s.calib_windows, s.ctx))
     ev = evaluate_model(str(art), s.data, s.ctx, max_windows=s.windows, reference=src)
-    sch = get_scheme(scheme)
     bits = 32.0 if sch.weight_bits is None else sch.weight_bits + (16 / sch.group_size if sch.group_size else 0)
     return {**_metrics(ev), "bits_per_weight": bits, "bytes": None, "layer_sqnr_db": ev.get("layer_sqnr_db"),
             "artifact": str(art)}
 
 
-def _onnx_cell(s: ReportSettings, twin: str, scheme: str, art_root: Path, ids: list[int]) -> dict:
+def _onnx_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, scheme: str, ids: list[int]) -> dict:
     from .evaluate import evaluate_model
     from .export.onnx import export_checkpoint
     from .onnx_quantize import quantize_onnx
     from .ort_runner import OrtRunner
-    src, fp32 = getattr(s, twin), art_root / f"{twin}-fp32"
-    if not (fp32 / "model.onnx").is_file():
-        export_checkpoint(src, fp32)
-    art = fp32
+    src = getattr(s, twin)
+    k32 = ident_key("onnx-fp32", ident.code, ident.models[twin])
+    art = fp32 = arts.get(arts.root / "onnx" / f"{twin}-fp32", k32, lambda p: export_checkpoint(src, p))
     if scheme != "fp32":
-        art = art_root / f"{twin}-{scheme}"
-        if not (art / "model.onnx").is_file():
-            base, _, gate8 = scheme.partition("+gate")
-            quantize_onnx(fp32, art, base, int(gate8) if gate8 else None, calib_data=s.data,
-                          calib_windows=s.calib_windows, ctx=s.ctx)
+        base, _, gate8 = scheme.partition("+gate")
+        k = ident_key("onnx", k32, scheme, ident.calibration(s) if base == "int8-static" else None)
+        art = arts.get(arts.root / "onnx" / f"{twin}-{scheme}", k, lambda p: quantize_onnx(
+            fp32, p, base, int(gate8) if gate8 else None, calib_data=s.data, calib_windows=s.calib_windows, ctx=s.ctx))
     ev = evaluate_model(str(art), s.data, s.ctx, max_windows=s.windows, reference=src, threads=s.threads)
     with OrtRunner(art, threads=s.threads) as r:
         speed = r.bench(ids[:128], ids[128:192], repeats=3)
@@ -118,29 +155,29 @@ def _onnx_cell(s: ReportSettings, twin: str, scheme: str, art_root: Path, ids: l
     return {**_metrics(ev), "bytes": size, "bits_per_weight": 8 * size / n, **_speed(speed), "artifact": str(art)}
 
 
-def _gguf_cell(s: ReportSettings, twin: str, scheme: str, art_root: Path, ids: list[int]) -> dict:
+def _gguf_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, scheme: str, ids: list[int]) -> dict:
     from .evaluate import evaluate_model
     from .export.gguf import export_checkpoint
     from .gguf_file import inspect_gguf
     from .gguf_quantize import quantize_gguf
     from .llama_runner import LlamaRunner
-    src, f32 = getattr(s, twin), art_root / f"{twin}-F32.gguf"
-    if not f32.is_file():
-        export_checkpoint(src, f32, "f32")
+    src, root = getattr(s, twin), arts.root / "gguf"
     kv = "f32"
     if scheme.startswith("kv-"):  # F16 weights, quantized KV cache: what a laptop would run
-        art, kv = art_root / f"{twin}-F16.gguf", scheme[3:]
-        scheme_file = "F16"
+        scheme_file, kv = "F16", scheme[3:]
     else:
-        art, scheme_file = art_root / f"{twin}-{scheme}.gguf", scheme
-    if not art.is_file():
-        base, _, gate8 = scheme_file.partition("+gate")
-        if base == "F16":
-            export_checkpoint(src, art, "f16")
-        else:
-            quantize_gguf(f32, art, base, gate_bits=int(gate8) if gate8 else None, threads=s.threads)
+        scheme_file = scheme
+    base, _, gate8 = scheme_file.partition("+gate")
+    if base == "F16":
+        art = arts.get(root / f"{twin}-F16.gguf", ident_key("gguf-F16", ident.code, ident.models[twin]),
+                       lambda p: export_checkpoint(src, p, "f16"))
+    else:
+        k32 = ident_key("gguf-F32", ident.code, ident.models[twin])
+        f32 = arts.get(root / f"{twin}-F32.gguf", k32, lambda p: export_checkpoint(src, p, "f32"))
+        art = arts.get(root / f"{twin}-{scheme_file}.gguf", ident_key("gguf", k32, scheme_file),
+                       lambda p: quantize_gguf(f32, p, base, gate_bits=int(gate8) if gate8 else None, threads=s.threads))
     ev = evaluate_model(str(art), s.data, s.ctx, max_windows=s.windows, reference=src, kv_type=kv, threads=s.threads)
-    with LlamaRunner(art, n_ctx=max(s.ctx, 256), kv_type=kv if kv != "f32" else "f16", threads=s.threads,
+    with LlamaRunner(art, n_ctx=max(s.ctx, BENCH_TOKENS), kv_type=kv if kv != "f32" else "f16", threads=s.threads,
                      logits_all=False) as r:
         speed = r.bench(ids[:128], ids[128:192], repeats=3)
     info = inspect_gguf(art)
@@ -180,6 +217,7 @@ def known_schemes(backend: str) -> list[str]:
 
 
 def check_settings(s: ReportSettings) -> None:
+    from .calib_data import data_paths
     unknown = [b for b in s.backends if b not in DEFAULT_SCHEMES]
     if unknown:
         raise QuantgateError(f"unknown backend {unknown[0]!r}; choose from {', '.join(DEFAULT_SCHEMES)}")
@@ -190,22 +228,22 @@ def check_settings(s: ReportSettings) -> None:
                 listed = ", ".join(n for n in names if not n.endswith("+gate8"))
                 aware = " (or a 2- to 6-bit type with +gate8)" if backend == "gguf" else ""
                 raise QuantgateError(f"unknown {backend} scheme {scheme!r}; choose from {listed}{aware}")
-    check_output_dir(s.out)
+    check_output(s.out, "report", (s.baseline, s.gated, *data_paths(s.data)))
 
 
-def _cached(path: Path, key: str, compute, label: str, timings: dict) -> dict:
+def _cached(path: Path, k: str, compute, label: str, timings: dict) -> dict:
     if path.is_file():
         try:
             d = json.loads(path.read_text())
-            if d.get("_key") == key:
+            if isinstance(d, dict) and d.get("_key") == k:
                 timings[label] = 0.0
                 return d
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             pass
     t0 = time.time()
     console.print(f"[bold]{label}[/bold] ...")
     d = compute()
-    d["_key"], d["_seconds"] = key, round(time.time() - t0, 2)
+    d["_key"], d["_seconds"] = k, round(time.time() - t0, 2)
     timings[label] = d["_seconds"]
     write_json(path, d)
     return d
@@ -214,8 +252,9 @@ def _cached(path: Path, key: str, compute, label: str, timings: dict) -> dict:
 def run_report(s: ReportSettings) -> dict:
     """Run (or resume) every cell, then write report.json, report.md and report.html into s.out."""
     from .analyze import analyze, plot_reports
+    from .calib_data import load_corpus, tokenize_corpus
     from .checkpoint import load_checkpoint
-    from .evaluate import eval_windows
+    from .evaluate import default_split, eval_windows
     from .gate_survival import check_gate_survival
 
     check_settings(s)
@@ -225,16 +264,23 @@ def run_report(s: ReportSettings) -> dict:
     tok = loaded["baseline"].tokenizer
     if tok is None or loaded["gated"].tokenizer is None:
         raise QuantgateError("both twins need a tokenizer.json")
-    out = Path(s.out)
-    cells_dir, art_dir, plots_dir = out / "cells", out / "artifacts", out / "plots"
-    key = s.cell_key()
+    from .evaluate import check_ctx
+    for t in TWINS:
+        context = loaded[t].model.cfg.max_seq_len
+        check_ctx(s.ctx, context, getattr(s, t))
+        if context < BENCH_TOKENS:
+            raise QuantgateError(f"{getattr(s, t)}: the report's speed runs need {BENCH_TOKENS} tokens of context, "
+                                 f"the model has {context}")
+    corpus = load_corpus(s.data)
+    ids = [int(t) for t in eval_windows(tokenize_corpus(corpus.split(default_split(s.data)), tok).ids, BENCH_TOKENS + 1,
+                                        tok.bos_id, 1)[0]]
+    ident = Identity({t: content_id(getattr(s, t)) for t in TWINS}, corpus.fingerprint, code_id())
+    out = claim_folder(s.out, "report")
+    cells_dir, plots_dir = out / "cells", out / "plots"
+    arts = Artifacts(out / "artifacts")
     timings: dict[str, float] = {}
-    from .calib_data import load_corpus, tokenize_corpus
-    from .evaluate import default_split
-    corpus = load_corpus(s.data).split(default_split(s.data))
-    ids = [int(t) for t in eval_windows(tokenize_corpus(corpus, tok).ids, 193, tok.bos_id, 1)[0]]
 
-    analysis = {t: _cached(cells_dir / f"analysis-{t}.json", key,
+    analysis = {t: _cached(cells_dir / f"analysis-{t}.json", ident.cell_key(s, "analysis", t),
                            lambda t=t: analyze(getattr(s, t), s.data, s.ctx, s.analysis_windows),
                            f"analyse {t}", timings) for t in TWINS}
     plot_files = [str(p) for p in plot_reports(analysis, plots_dir)]
@@ -244,7 +290,7 @@ def run_report(s: ReportSettings) -> dict:
         for twin in TWINS:
             if backend == "torch":
                 cells[f"torch/{twin}/fp32"] = _cached(
-                    cells_dir / f"torch-{twin}-fp32.json", key,
+                    cells_dir / f"torch-{twin}-fp32.json", ident.cell_key(s, "torch", twin, "fp32"),
                     lambda twin=twin: {"bits_per_weight": 32.0, "kld_mean": 0.0, "top1_agreement": 1.0,
                                        "delta_ppl_pct": 0.0, **_bench_torch(loaded[twin].model, ids)},
                     f"torch {twin} fp32 speed", timings)
@@ -254,28 +300,34 @@ def run_report(s: ReportSettings) -> dict:
                 label = f"{backend} {twin} {scheme}"
 
                 def compute(backend=backend, twin=twin, scheme=scheme):
-                    if backend == "torch":
-                        return _torch_cell(s, twin, scheme, art_dir / "torch" / f"{twin}-{scheme}")
-                    if backend == "onnx":
-                        return _onnx_cell(s, twin, scheme, art_dir / "onnx", ids)
-                    return _gguf_cell(s, twin, scheme, art_dir / "gguf", ids)
-
-                def guarded(compute=compute):
                     try:
-                        return compute()
+                        if backend == "torch":
+                            cell = _torch_cell(s, ident, arts, twin, scheme)
+                        elif backend == "onnx":
+                            cell = _onnx_cell(s, ident, arts, twin, scheme, ids)
+                        else:
+                            cell = _gguf_cell(s, ident, arts, twin, scheme, ids)
+                    except DiskFull:
+                        raise
                     except QuantgateError as e:  # a configuration this model cannot take: recorded, not fatal
+                        if interrupts:
+                            raise
                         return {"error": str(e)}
+                    if twin == "gated" and not scheme.startswith("kv-"):
+                        gs = check_gate_survival(cell["artifact"], s.gated, s.data, GATE_SURVIVAL_WINDOWS, s.ctx)
+                        cell["gate_survival"] = {k: gs[k] for k in ("worst_layer", "worst_mean_abs_diff",
+                                                                    "max_frac_crossed_0.5")}
+                    return cell
 
-                cell = _cached(cells_dir / f"{backend}-{twin}-{scheme}.json", key, guarded, label, timings)
+                cell = _cached(cells_dir / f"{backend}-{twin}-{scheme}.json", ident.cell_key(s, backend, twin, scheme),
+                               compute, label, timings)
                 if "error" in cell:
                     console.print(f"  skipped: {cell['error']}", markup=False, highlight=False)
-                if twin == "gated" and cell.get("artifact") and not scheme.startswith("kv-") and "gate_survival" not in cell:
-                    gs = check_gate_survival(cell["artifact"], s.gated, s.data, 4, s.ctx)
-                    cell["gate_survival"] = {k: gs[k] for k in ("worst_layer", "worst_mean_abs_diff", "max_frac_crossed_0.5")}
-                    write_json(cells_dir / f"{backend}-{twin}-{scheme}.json", cell)
                 cells[f"{backend}/{twin}/{scheme}"] = cell
 
     report = build_report(s, analysis, cells, timings, plot_files)
+    report["identity"] = {"models": ident.models, "data": ident.data, "code": ident.code}
+    report["artifacts"] = arts.log
     report["training"] = {t: _training(loaded[t].model.cfg.extra) for t in TWINS}
     plots = report_plots(report, plots_dir)
     report["plots"] = plot_files + [str(p) for p in plots]

@@ -10,7 +10,30 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from .errors import QuantgateError
 from .model import Model
+
+
+def cuda_index(device: str) -> int | None:
+    """None for the CPU, else the CUDA device index of 'cuda' (0) or 'cuda:N'."""
+    if device == "cpu":
+        return None
+    if device == "cuda":
+        return 0
+    if device.startswith("cuda:") and device[5:].isdigit():
+        return int(device[5:])
+    raise QuantgateError(f"--device {device!r} is not cpu, cuda or cuda:N")
+
+
+def torch_device(device: str) -> str:
+    """`device` if torch can run on it here (cpu, cuda, cuda:N), else one error line."""
+    idx = cuda_index(device)
+    if idx is not None:
+        if not torch.cuda.is_available():
+            raise QuantgateError(f"--device {device} was asked for but torch sees no CUDA device")
+        if idx >= torch.cuda.device_count():
+            raise QuantgateError(f"--device {device}: torch sees only {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 class Runner(Protocol):
@@ -26,7 +49,7 @@ class TorchRunner:
     """Runs our PyTorch model; `batch_size` windows per forward to bound memory."""
 
     def __init__(self, model: Model, device: str = "cpu", batch_size: int = 8, name: str = "torch"):
-        self.model = model.to(device).eval()
+        self.model = model.to(torch_device(device)).eval()
         self.device, self.batch_size, self.name = device, batch_size, name
         self.vocab_size = model.cfg.vocab_size
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .calib_data import load_corpus, sample_windows, tokenize_corpus
 from .checkpoint import save_checkpoint
 from .errors import QuantgateError
-from .fsio import atomic_file, check_output_dir, write_json
+from .fsio import atomic_file, check_output, claim_folder, read_marker, write_json
 from .model import GATE_MODES, Model, build_model, make_twins, preset
 from .progress import make_progress
 from .tokenizer import Tokenizer, byte_tokenizer, load_tokenizer, train_bpe
@@ -92,11 +92,10 @@ def batch_for_step(stream, tc: TrainConfig, step: int) -> np.ndarray:
 
 
 def resolve_device(name: str) -> str:
+    from .runners import torch_device
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise QuantgateError("--device cuda was asked for but torch sees no CUDA device")
-    return name
+    return torch_device(name)
 
 
 @dataclass
@@ -115,6 +114,8 @@ def init_distributed(device: str) -> DistInfo:
     if world == 1:
         return DistInfo()
     if not dist.is_initialized():
+        if device.startswith("cuda"):  # bind this rank's GPU before NCCL starts (it would guess rank % n_gpus)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     return DistInfo(dist.get_rank(), dist.get_world_size())
 
@@ -157,6 +158,12 @@ TRAJECTORY_FIELDS = ("preset", "gate", "twins", "data", "batch_size", "ctx", "lr
                      "model_overrides")
 
 
+def trajectory(tc: TrainConfig) -> dict:
+    """The settings that decide what a run trains (its steps included), as JSON holds them: recorded in the
+    models it writes, so a later run (the demo's stage reuse) can tell whether they came from these settings."""
+    return json.loads(json.dumps({f: getattr(tc, f) for f in (*TRAJECTORY_FIELDS, "steps")}))
+
+
 def load_state(path: Path, models: dict, optims: dict, tc: TrainConfig) -> tuple[int, list]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -192,7 +199,11 @@ def train(tc: TrainConfig, out: str | Path, resume: bool = False) -> dict[str, P
         raise QuantgateError(f"--resume: no training state in {state_dir}")
     if not resume and state_file.is_file():
         raise QuantgateError(f"{out} already holds a training run; pass --resume to continue it or pick another --out")
-    check_output_dir(out)
+    from .calib_data import data_paths
+    inputs = data_paths(tc.data)
+    check_output(out, "run", inputs, accept=("demo",))
+    for role in ("baseline", "gated"):
+        check_output(out / role, "checkpoint", inputs, flag="--out (its model folder)")
     torch.manual_seed(tc.seed)
 
     corpus = load_corpus(tc.data, tc.max_chars)
@@ -200,6 +211,7 @@ def train(tc: TrainConfig, out: str | Path, resume: bool = False) -> dict[str, P
     if not train_split.documents:
         raise QuantgateError(f"{tc.data}: the training split is empty (corpus too small)")
     if di.main:
+        claim_folder(out, (read_marker(out) or {}).get("artifact", "run"))  # a demo folder stays a demo folder
         tok = prepare_tokenizer(tc, state_dir, lambda: (d.text for d in train_split.documents))
     if di.world > 1:
         dist.barrier()
@@ -222,7 +234,8 @@ def train(tc: TrainConfig, out: str | Path, resume: bool = False) -> dict[str, P
     wrapped = models
     if di.world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        wrapped = {k: DDP(m) for k, m in models.items()}
+        ids = [torch.device(device).index] if device.startswith("cuda") else None
+        wrapped = {k: DDP(m, device_ids=ids) for k, m in models.items()}
     if tc.compile:
         wrapped = {k: torch.compile(m) for k, m in wrapped.items()}
     if di.main:
@@ -281,7 +294,8 @@ def train(tc: TrainConfig, out: str | Path, resume: bool = False) -> dict[str, P
             recipe = {f: getattr(tc, f) for f in ("batch_size", "ctx", "lr", "warmup", "weight_decay", "seed")}
             m.cfg.extra = {**m.cfg.extra, "trained_by": "quantgate train", "role": k, "steps": tc.steps,
                            "recipe": {**recipe, "tokens": tc.steps * tc.batch_size * (tc.ctx - 1)},
-                                "corpus": corpus.source, "corpus_fingerprint": corpus.fingerprint}
+                           "train_config": trajectory(tc), "corpus": corpus.source,
+                           "corpus_fingerprint": corpus.fingerprint}
             outputs[k] = save_checkpoint(m.cpu().eval(), out / k, tok)
     if di.world > 1:
         dist.barrier()
