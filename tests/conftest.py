@@ -121,3 +121,33 @@ def plant_bos_spike(model, spike_layer: int, spike_channel: int, marker: int = B
         mlp.up_proj.weight[0].zero_(); mlp.up_proj.weight[0, marker] = strength
         mlp.down_proj.weight[:, 0] = 0.0; mlp.down_proj.weight[spike_channel, 0] = 1.0
     return model
+
+
+@pytest.fixture(scope="session")
+def cli_server(tmp_path_factory):
+    """A CLI server (tests/cli_server.py): the real `quantgate` entry point, forked per command from one process
+    that imported it once; for sweeps of hundreds of commands."""
+    from cli_server import CliServer
+    server = CliServer(env={"QUANTGATE_CACHE": str(tmp_path_factory.mktemp("cli-cache"))})
+    yield server
+    server.close()
+
+
+def assert_refused(r, needle: str | None = None) -> str:
+    """The bad-input contract: exit 2, one `error:` line (naming `needle`), no traceback, no crash, no hang."""
+    assert not r.timeout and r.signal is None, (r.args, r.signal, r.stderr[-2000:])
+    assert r.code == 2 and len(r.lines) == 1, (r.args, r.code, r.stderr[-2000:])
+    assert r.lines[0].startswith("error: ") and "Traceback" not in r.stderr, r.stderr[-2000:]
+    if needle is not None:
+        assert needle in r.lines[0], (needle, r.lines[0])
+    return r.lines[0]
+
+
+def tree_snapshot(path: Path) -> dict:
+    """{relative path: bytes digest} of every file and folder below `path` (folders as None): equal snapshots
+    mean nothing was created, removed or changed."""
+    import hashlib
+    out = {}
+    for p in sorted(path.rglob("*")):
+        out[str(p.relative_to(path))] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+    return out

@@ -1,5 +1,6 @@
 """A full disk, simulated with a file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored: writes fail with EFBIG as
-they would with ENOSPC): one error line, exit 2, no output and no temporary file left behind."""
+they would with ENOSPC): one error line that says so, exit 2, no output and no temporary file left behind,
+inputs unchanged."""
 from __future__ import annotations
 
 import os
@@ -11,9 +12,7 @@ import tempfile
 
 import pytest
 
-from quantgate.checkpoint import save_checkpoint
-from quantgate.model import build_model, preset
-from quantgate.tokenizer import byte_tokenizer
+from conftest import run_cli, save_tiny_twins, tree_snapshot
 
 LIMIT = 200_000  # bytes: the models below write 0.5-2 MB
 
@@ -24,25 +23,42 @@ def _limited():
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    d = tmp_path_factory.mktemp("full")
-    save_checkpoint(build_model(preset("tiny", vocab_size=300, gate="elementwise"), seed=0), d / "m", byte_tokenizer())
-    return d / "m"
+def work(tmp_path_factory):
+    d = save_tiny_twins(tmp_path_factory.mktemp("full"))
+    for verb in (["gguf", "--out", str(d / "g.gguf")], ["onnx", "--out", str(d / "onnx")]):
+        r = run_cli("export", verb[0], str(d / "gated"), *verb[1:])
+        assert r.returncode == 0, r.stderr[-2000:]
+    return d
 
 
-@pytest.mark.parametrize("verb", [
-    ["export", "gguf", "{m}", "--out", "{out}/m.gguf"],
-    ["export", "onnx", "{m}", "--out", "{out}/onnx"],
-    ["quantize", "{m}", "--scheme", "w4a16-g32", "--out", "{out}/q"],
-])
-def test_full_disk_gives_one_line_and_no_debris(model, tmp_path, verb):
+VERBS = {
+    "export gguf": ["export", "gguf", "{d}/gated", "--out", "{out}/m.gguf"],
+    "export onnx": ["export", "onnx", "{d}/gated", "--out", "{out}/onnx"],
+    "quantize torch": ["quantize", "{d}/gated", "--scheme", "w4a16-g32", "--out", "{out}/q"],
+    "quantize onnx": ["quantize", "{d}/onnx", "--scheme", "int8-weight", "--out", "{out}/q"],
+    "quantize gguf": ["quantize", "{d}/g.gguf", "--type", "Q8_0", "--out", "{out}/q.gguf"],
+    "train": ["train", "--preset", "tiny", "--byte-tokenizer", "--data", "{d}/text.txt", "--steps", "2",
+              "--ckpt-every", "1", "--batch-size", "2", "--ctx", "32", "--out", "{out}/run"],
+    "report": ["report", "--models", "{d}/baseline", "{d}/gated", "--data", "{d}/text.txt", "--backends", "gguf",
+               "--schemes", "gguf:Q8_0", "--windows", "1", "--ctx", "32", "--out", "{out}/rep"],
+}
+
+
+@pytest.mark.parametrize("verb", list(VERBS))
+def test_full_disk_gives_one_line_and_no_debris(work, tmp_path, verb):
     out = tmp_path / "out"
     out.mkdir()
-    args = [a.format(m=model, out=out) for a in verb]
-    env = {**os.environ, "QUANTGATE_PROGRESS": "0"}
+    before = tree_snapshot(work)
+    args = [a.format(d=work, out=out) for a in VERBS[verb]]
+    env = {**os.environ, "QUANTGATE_PROGRESS": "0", "QUANTGATE_CACHE": str(tmp_path / "cache")}
     r = subprocess.run([sys.executable, "-m", "quantgate.cli", *args], capture_output=True, text=True,
-                       cwd=tempfile.gettempdir(), env=env, preexec_fn=_limited, timeout=300)
+                       cwd=tempfile.gettempdir(), env=env, preexec_fn=_limited, timeout=600)
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
-    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
-    assert lines[0].startswith("error: ") and ("disk full" in lines[0] or "too large" in lines[0].lower())
-    assert list(out.iterdir()) == []
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    assert r.returncode == 2 and errors == [lines[-1]] and "Traceback" not in r.stderr, r.stderr[-2000:]
+    if verb not in ("train", "report"):  # these two print progress lines before the error
+        assert len(lines) == 1, r.stderr[-2000:]
+    assert "disk full or file size limit" in lines[-1], lines[-1]
+    left = [p for p in out.rglob("*") if p.name.endswith((".tmp", ".old")) or p.suffix in (".gguf", ".onnx")]
+    assert left == [] and not (out / "q").exists() and not (out / "onnx").exists()
+    assert tree_snapshot(work) == before

@@ -41,7 +41,7 @@ CASES = {
                                 "--out", "{d}/afile/run"], "which is a file"),
     "train unknown preset": (["train", "--preset", "huge", "--out", "{out}/run"], "'huge' is not one of"),
     "train zero steps": (["train", "--preset", "tiny", "--data", "{d}/t.txt", "--steps", "0",
-                          "--out", "{out}/run"], "steps must be positive"),
+                          "--out", "{out}/run"], "Invalid value for '--steps'"),
     "export unknown format": (["export", "tflite", "{d}/gated", "--out", "{out}/x"], "No such command 'tflite'"),
     "export gguf bad outtype": (["export", "gguf", "{d}/gated", "--outtype", "q4", "--out", "{out}/x.gguf"],
                                 "'q4' is not one of"),

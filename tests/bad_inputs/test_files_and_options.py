@@ -1,22 +1,48 @@
-"""Bad input: one clear error line naming the culprit, a non-zero exit, nothing written."""
+"""Bad input: exit code 2, one clear error line naming the culprit, no traceback, nothing written, inputs unchanged.
+
+Every command below runs with a snapshot of the whole pytest temporary tree (every fixture's inputs) taken before
+and compared after, so "nothing written, nothing changed" is checked for each refused command.
+"""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
 
-from conftest import dir_snapshot, make_hf_qwen3, run_cli
+from conftest import dir_snapshot, make_hf_qwen3
+from conftest import run_cli as _run_cli
 from quantgate.tokenizer import byte_tokenizer, train_bpe
+
+_ROOT: list[Path] = []
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _watch_everything(tmp_path_factory):
+    _ROOT[:] = [tmp_path_factory.getbasetemp()]
+
+
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() else None
+            for p in sorted(root.rglob("*"))}
+
+
+def run_cli(*args, **kw):
+    """The CLI, with whether it left every file and folder under the pytest tree as it found them."""
+    before = _tree(_ROOT[0])
+    r = _run_cli(*args, **kw)
+    r.tree_unchanged = _tree(_ROOT[0]) == before
+    return r
 
 
 def assert_one_line_error(r, *needles: str) -> str:
-    assert r.returncode != 0
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1, r.stderr
+    assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr)
     assert lines[0].startswith("error: ") and "Traceback" not in r.stderr
     for n in needles:
         assert n in lines[0], (n, lines[0])
+    assert r.tree_unchanged, "the refused command wrote, changed or removed something"
     return lines[0]
 
 
@@ -132,7 +158,7 @@ def test_output_over_input_refused(good_model):
     from quantgate.errors import QuantgateError
     loaded = load_checkpoint(good_model)
     before = dir_snapshot(good_model)
-    with pytest.raises(QuantgateError, match="overwrite the input"):
+    with pytest.raises(QuantgateError, match="is the input"):
         save_checkpoint(loaded.model, good_model, loaded.tokenizer, inputs=(good_model,))
     assert dir_snapshot(good_model) == before
 
@@ -206,7 +232,7 @@ def test_gguf_quantize_refuses_requantizing_gate_bits_without_gate_and_overwriti
                                   "--out", str(tmp_path / "g.gguf")), "has no attention gate")
     src = gguf_files / "none.gguf"
     before = src.read_bytes()
-    assert_one_line_error(run_cli("quantize", str(src), "--type", "Q4_0", "--out", str(src)), "would overwrite")
+    assert_one_line_error(run_cli("quantize", str(src), "--type", "Q4_0", "--out", str(src)), "is the input")
     assert src.read_bytes() == before
 
 
@@ -297,5 +323,5 @@ def test_onnx_quantize_refuses_requantizing_and_overwriting(onnx_dirs, tmp_path)
                           "already quantized")
     before = dir_snapshot(onnx_dirs / "good")
     assert_one_line_error(run_cli("quantize", str(onnx_dirs / "good"), "--scheme", "int4", "--out",
-                                  str(onnx_dirs / "good")), "would overwrite")
+                                  str(onnx_dirs / "good")), "is the input")
     assert dir_snapshot(onnx_dirs / "good") == before
