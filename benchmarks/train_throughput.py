@@ -103,6 +103,8 @@ def main() -> None:
         "ratio_ours_over_transformers": round(tps["ours"] / tps["transformers"], 3),
         "ratio_ours_compiled_over_transformers": (round(tps["ours_compiled"] / tps["transformers"], 3)
                                                   if "ours_compiled" in tps else None),
+        "ratio_ours_compiled_over_ours": (round(tps["ours_compiled"] / tps["ours"], 3)
+                                          if "ours_compiled" in tps else None),
         "compile_seconds": None if compile_s is None else round(compile_s, 1),
         "goal_ratio": 1.2,
         "twin_pair_step_s": round(pair_med, 4),
