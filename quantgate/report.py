@@ -94,7 +94,7 @@ class Artifacts:
     def get(self, path: Path, k: str, build) -> Path:
         rel = path.relative_to(self.root).as_posix()
         if self.keys.get(rel) == k and path.exists():
-            self.log[rel] = {"key": k, "built": False}
+            self.log.setdefault(rel, {"key": k, "built": False})  # built earlier in this run stays "built"
             return path
         build(path)
         self.keys[rel] = k

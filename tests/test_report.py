@@ -96,14 +96,15 @@ def test_report_artifacts_are_keyed_by_what_made_them(cli_server, tmp_path):
 
     def run(calib: str = "2"):
         r = cli_server.run("report", "--models", d / "baseline", d / "gated", "--data", d / "text.txt",
-                           "--backends", "torch,gguf", "--schemes", "torch:w8a8-static,torch:w4a16-g32,gguf:Q4_0",
+                           "--backends", "torch,gguf",
+                           "--schemes", "torch:w8a8-static,torch:w4a16-g32,gguf:Q4_0,gguf:Q8_0",
                            "--windows", "2", "--ctx", "64", "--calib-windows", calib, "--out", out, timeout=600)
         assert r.code == 0, r.stderr[-3000:]
         rep = json.loads((out / "report.json").read_text())
         return {k for k, v in rep["artifacts"].items() if v["built"]}, set(rep["artifacts"]), rep["timings_s"]
 
     built, every, _ = run()
-    assert built == every and len(every) == 8  # torch 2 x 2, gguf F32 + Q4_0 x 2
+    assert built == every and len(every) == 10  # torch 2 x 2, gguf (F32, Q4_0, Q8_0) x 2: F32 feeds two cells
     built, _, timings = run()
     assert built == set() and all(v == 0.0 for v in timings.values())  # nothing changed: everything reused
     built, _, timings = run(calib="3")
@@ -118,7 +119,8 @@ def test_report_artifacts_are_keyed_by_what_made_them(cli_server, tmp_path):
         g.model.layers[0].mlp.up_proj.weight.mul_(1.01)
     save_checkpoint(g.model, d / "gated", g.tokenizer)  # the gated twin changed, the baseline did not
     built, _, _ = run(calib="3")
-    assert built == {"torch/gated-w8a8-static", "torch/gated-w4a16-g32", "gguf/gated-F32.gguf", "gguf/gated-Q4_0.gguf"}
+    assert built == {"torch/gated-w8a8-static", "torch/gated-w4a16-g32", "gguf/gated-F32.gguf", "gguf/gated-Q4_0.gguf",
+                     "gguf/gated-Q8_0.gguf"}
 
 
 def test_html_renders_its_plots_in_headless_chromium(report_run, tmp_path):
