@@ -92,6 +92,15 @@ def save_tiny_twins(d: Path, text_name: str = "text.txt") -> Path:
     return d
 
 
+def export_gated_twin(d: Path) -> Path:
+    """The gated twin under d/gated exported through the CLI as d/g.gguf and d/onnx (the sweeps' GGUF and ONNX
+    inputs)."""
+    for verb in (["gguf", "--out", str(d / "g.gguf")], ["onnx", "--out", str(d / "onnx")]):
+        r = run_cli("export", verb[0], str(d / "gated"), *verb[1:])
+        assert r.returncode == 0, r.stderr[-2000:]
+    return d
+
+
 def dir_snapshot(path: Path) -> dict:
     """{relative path: (size, mtime_ns)} for every file below path: to show nothing was written or changed."""
     return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)

@@ -12,7 +12,7 @@ import tempfile
 
 import pytest
 
-from conftest import run_cli, save_tiny_twins, tree_snapshot
+from conftest import export_gated_twin, save_tiny_twins, tree_snapshot
 
 LIMIT = 200_000  # bytes: the models below write 0.5-2 MB
 
@@ -25,9 +25,7 @@ def _limited():
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     d = save_tiny_twins(tmp_path_factory.mktemp("full"))
-    for verb in (["gguf", "--out", str(d / "g.gguf")], ["onnx", "--out", str(d / "onnx")]):
-        r = run_cli("export", verb[0], str(d / "gated"), *verb[1:])
-        assert r.returncode == 0, r.stderr[-2000:]
+    export_gated_twin(d)
     return d
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_refused, run_cli, save_tiny_twins, tree_snapshot
+from conftest import assert_refused, export_gated_twin, save_tiny_twins, tree_snapshot
 
 
 @pytest.fixture(scope="module")
@@ -18,9 +18,7 @@ def work(tmp_path_factory):
     (w / "data" / "a.txt").write_text("def g(y):\n    return y + 1\n" * 300)
     (w / "mine").mkdir()
     (w / "mine" / "notes.txt").write_text("the user's own notes\n")
-    for verb in (["gguf", "--out", str(w / "g.gguf")], ["onnx", "--out", str(w / "onnx")]):
-        r = run_cli("export", verb[0], str(w / "gated"), *verb[1:])
-        assert r.returncode == 0, r.stderr[-2000:]
+    export_gated_twin(w)
     return w
 
 

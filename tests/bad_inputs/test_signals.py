@@ -20,16 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, save_tiny_twins, tree_snapshot
+from conftest import export_gated_twin, run_cli, save_tiny_twins, tree_snapshot
 
 
 @pytest.fixture(scope="module")
 def twins(tmp_path_factory):
     d = save_tiny_twins(tmp_path_factory.mktemp("sig"))
-    for verb in (["onnx", "--out", str(d / "onnx")], ["gguf", "--out", str(d / "g.gguf")]):
-        r = run_cli("export", verb[0], str(d / "gated"), *verb[1:])
-        assert r.returncode == 0, r.stderr[-2000:]
-    return d
+    return export_gated_twin(d)
 
 
 def _start(*args: str, pause: str | None = None, env: dict | None = None) -> subprocess.Popen:

@@ -14,7 +14,7 @@ import struct
 import numpy as np
 import pytest
 
-from conftest import assert_refused, run_cli, save_tiny_twins, tree_snapshot
+from conftest import assert_refused, export_gated_twin, run_cli, save_tiny_twins, tree_snapshot
 
 CONTEXT = 512  # the tiny preset's max_seq_len, which the twins below keep
 
@@ -24,9 +24,7 @@ def base(tmp_path_factory):
     from quantgate.quantize import quantize_checkpoint
     d = save_tiny_twins(tmp_path_factory.mktemp("values"))
     quantize_checkpoint(str(d / "gated"), "w8a8-static", str(d / "q"), str(d / "text.txt"), 2, 32)
-    for verb in (["gguf", "--out", str(d / "g.gguf")], ["onnx", "--out", str(d / "onnx")]):
-        r = run_cli("export", verb[0], str(d / "gated"), *verb[1:])
-        assert r.returncode == 0, r.stderr[-2000:]
+    export_gated_twin(d)
     r = run_cli("quantize", str(d / "g.gguf"), "--type", "Q8_0", "--out", str(d / "g8.gguf"))
     assert r.returncode == 0, r.stderr[-2000:]
     return d
