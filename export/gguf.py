@@ -287,7 +287,8 @@ def export_gguf(model: Model, tokenizer: Tokenizer | None, out: str | Path, outt
         w.add_string("quantgate.gate", cfg.gate)
         w.add_string("quantgate.source_layout", source_layout)
         w.add_uint32("quantgate.identity_layers", n_identity)
-        w.add_file_type({"f32": 0, "f16": 1, "bf16": 32}[outtype])
+        w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                         "bf16": gguf.LlamaFileType.MOSTLY_BF16}[outtype])
         n_blocks = cfg.n_layers + n_identity
         w.add_context_length(cfg.max_seq_len)
         w.add_embedding_length(cfg.dim)

@@ -25,16 +25,15 @@ import torch
 from .errors import DiskFull, QuantgateError
 from .fsio import atomic_path, check_output
 from .gguf_file import inspect_gguf
+from .quant.schemes import GGUF_FILE_TYPES, NEEDS_IMATRIX, ggml_type, llama_file_type
 
-# llama.cpp file types (enum llama_ftype) that `quantgate quantize` offers.
-FILE_TYPES = {
-    "F16": 1, "BF16": 32, "Q8_0": 7, "Q6_K": 18, "Q5_K_M": 17, "Q5_K_S": 16, "Q5_0": 8, "Q4_K_M": 15,
-    "Q4_K_S": 14, "Q4_0": 2, "IQ4_NL": 25, "IQ4_XS": 30, "Q3_K_M": 12, "Q3_K_S": 11, "Q3_K_L": 13,
-    "IQ3_S": 26, "IQ3_XXS": 23, "Q2_K": 10,
-}
-NEEDS_IMATRIX = ("IQ3_XXS",)  # llama.cpp refuses these without an importance matrix
-GGML_Q8_0 = 8  # enum ggml_type
-GATE_PATTERN = r"attn_q\.weight"  # regex over tensor names: q|gate rows (not attn_q_norm, not attn_qkv)
+# llama.cpp file types that `quantgate quantize` offers -> enum llama_ftype (gguf-py's LlamaFileType)
+FILE_TYPES = {t: llama_file_type(t) for t in GGUF_FILE_TYPES}
+GGML_Q8_0 = ggml_type("q8_0")
+# KeepAt scope -> regex over tensor names; qwen35 fuses q and gate rows in attn_q, so only the whole
+# q|gate projection can be kept (not attn_q_norm, not attn_qkv)
+KEEP_SCOPE_PATTERNS = {"q_and_gate": r"attn_q\.weight"}
+GATE_PATTERN = KEEP_SCOPE_PATTERNS["q_and_gate"]
 
 
 def importance_matrix(model, windows: np.ndarray, batch: int = 4) -> dict[str, np.ndarray]:

@@ -28,8 +28,9 @@ import numpy as np
 
 from .errors import QuantgateError
 from .gguf_file import GGUFInfo, inspect_gguf
+from .quant.schemes import GGUF_KV_TYPES, ggml_type
 
-KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8, "q4_0": 2}  # ggml_type ids
+KV_TYPES = {k: ggml_type(k) for k in GGUF_KV_TYPES}  # KV-cache type -> ggml_type id (gguf-py's enum)
 
 
 @dataclass

@@ -25,8 +25,10 @@ import numpy as np
 from .errors import QuantgateError
 from .fsio import atomic_dir, check_output
 from .ort_runner import OrtRunner, check_graph, read_meta, resolve_onnx
+from .quant.schemes import ONNX_SCHEMES
 
-SCHEMES = ("int8-dynamic", "int8-static", "int8-weight", "int4")
+# the registry's ONNX recipes this function runs (fp32 is the export itself; +gate8 is `gate_bits=8`)
+SCHEMES = tuple(s.name for s in ONNX_SCHEMES if s.tool != "export" and s.keep is None)
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 

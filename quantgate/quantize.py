@@ -89,11 +89,29 @@ def calibrate(model: Model, windows: np.ndarray, scheme: Scheme, batch: int = 4)
     return cal
 
 
+KEEP_SCOPE_LINEARS = {  # KeepAt scope -> the block Linears it names in our model (quantgate.quant.schemes.SCOPES)
+    "gate": ("self_attn.g_proj",),
+    "q_and_gate": ("self_attn.q_proj", "self_attn.g_proj"),
+}
+
+
 def _bits_for(name: str, scheme: Scheme) -> int | None:
-    if scheme.gate_bits is not None:
-        if name.endswith("self_attn.g_proj") or (scheme.gate_scope == "q_and_gate" and name.endswith("self_attn.q_proj")):
-            return scheme.gate_bits
+    keep = scheme.keep
+    if keep is not None and name.endswith(KEEP_SCOPE_LINEARS[keep.scope]):
+        return keep.bits
     return scheme.weight_bits
+
+
+def block_bits_per_weight(model: Model) -> float:
+    """Bits per weight of the block Linears as stored: each Linear's own bits (32 where it stayed float) plus
+    one fp16 scale per group, or per row where the scheme has no groups (quantize_weight's layout)."""
+    total = bits = 0.0
+    for lin in block_linears(model).values():
+        n_out, n_in = lin.weight.shape
+        b = getattr(lin, "weight_bits", None)
+        per = 32.0 if b is None else b + 16 / (getattr(lin, "group_size", None) or n_in)
+        total, bits = total + n_out * n_in, bits + per * n_out * n_in
+    return bits / total
 
 
 def quantize_(model: Model, scheme: Scheme, calib_windows: np.ndarray | None = None,
@@ -113,7 +131,7 @@ def quantize_(model: Model, scheme: Scheme, calib_windows: np.ndarray | None = N
     for layer in model.layers:
         layer.self_attn.kv_bits = scheme.kv_bits
     for name, lin in block_linears(model).items():
-        if scheme.weight_bits is None and scheme.act is None and scheme.gate_bits is None:
+        if scheme.kv_only:
             break  # a KV-cache-only scheme leaves the Linears alone
         if only is not None and not only(name):
             continue
@@ -171,7 +189,7 @@ def apply_saved_quantization(model: Model, extra: dict, where: str = "config.jso
                                  f"of this model")
     for layer in model.layers:
         layer.self_attn.kv_bits = scheme.kv_bits
-    if scheme.weight_bits is None and scheme.act is None and scheme.gate_bits is None:
+    if scheme.kv_only:
         return model
     for name, lin in linears.items():
         r = ranges.get(name)
@@ -197,16 +215,18 @@ def calibration_windows(tokenizer, calib_data: str, n_windows: int, ctx: int, se
     return sample_windows(tokenize_corpus(corpus, tokenizer), n_windows, ctx, seed)
 
 
-def quantize_checkpoint(model_path: str, scheme_name: str, out: str, calib_data: str = "embedded",
+def quantize_checkpoint(model_path: str, scheme: str | Scheme, out: str, calib_data: str = "embedded",
                         n_windows: int = 32, ctx: int = 256, seed: int = 0) -> dict:
-    """`quantgate quantize --backend torch`: load, calibrate on held-out text, quantize, save."""
+    """`quantgate quantize --backend torch`: load, calibrate on held-out text, quantize, save. `scheme` is a
+    registry config or its name."""
     from .calib_data import data_paths
     from .checkpoint import load_checkpoint, save_checkpoint
     from .fsio import check_output
     from .layouts import DEFAULT_LAYOUT_FOR_GATE
     from .schemes import get_scheme
 
-    scheme = get_scheme(scheme_name)
+    if isinstance(scheme, str):
+        scheme = get_scheme(scheme)
     inputs = (model_path, *data_paths(calib_data if scheme.needs_calibration else None))
     check_output(out, "checkpoint", inputs)
     loaded = load_checkpoint(model_path)

@@ -4,7 +4,7 @@ int8-dynamic: Int8DynamicActivationInt8WeightConfig (int8 weights, per-token int
 CPU and CUDA). int4-weight: Int4WeightOnlyConfig (group-wise int4 weights; CUDA only, bf16) in torchao's
 `tile_packed_to_4d` format, whose matmul is PyTorch's own tinygemm kernel (`aten._weight_int4pack_mm`):
 torchao 0.18's default `plain` format needs the separate `mslk` package, which nothing here installs. The fake-
-quantized schemes in `quantgate.schemes` measure accuracy anywhere; this backend is for speed where
+quantized schemes in `quantgate.quant` measure accuracy anywhere; this backend is for speed where
 torchao has kernels, and for checking that its accuracy matches the simulation.
 """
 from __future__ import annotations
@@ -13,8 +13,9 @@ import torch
 
 from .errors import QuantgateError
 from .model import Model
+from .quant.schemes import names
 
-TORCHAO_KINDS = ("int8-dynamic", "int4-weight")
+TORCHAO_KINDS = tuple(names("torchao"))  # the registry's torchao entries
 
 
 def quantize_torchao_(model: Model, kind: str, device: str = "cpu", group_size: int = 128) -> Model:

@@ -1,0 +1,63 @@
+"""`quantize(source, scheme, out)`: one door to every backend's quantizer, chosen by the scheme's type.
+
+torchao's `quantize_` dispatches on `type(config)` through a handler table; this is the same move for
+whole artifacts: a TorchScheme writes a model directory (quantgate.quantize), an OnnxScheme an ONNX
+directory (onnxruntime.quantization), a GgufScheme a .gguf (llama.cpp's quantizer). `quantgate quantize`
+and the report's cells both call it, so a report cell's artifact is exactly what the CLI would write.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import QuantgateError
+from .schemes import GgufScheme, OnnxScheme, TorchaoScheme, TorchScheme
+
+
+@dataclass(frozen=True)
+class CalibSettings:
+    """Where calibration windows come from (schemes that need them: static activations, GPTQ, SmoothQuant,
+    ONNX int8-static, GGUF imatrix)."""
+    data: str = "embedded"
+    windows: int = 32
+    ctx: int = 256
+    seed: int = 0
+
+
+def _torch(src, s: TorchScheme, out, c: CalibSettings, threads) -> dict:
+    from ..quantize import quantize_checkpoint
+    return quantize_checkpoint(src, s, out, c.data, c.windows, c.ctx, c.seed)
+
+
+def _onnx(src, s: OnnxScheme, out, c: CalibSettings, threads) -> dict:
+    from ..onnx_quantize import quantize_onnx
+    if s.tool == "export":
+        raise QuantgateError("onnx:fp32 is the export itself: write it with quantgate export onnx")
+    return quantize_onnx(src, out, s.base, s.keep.bits if s.keep else None, s.block_size or 32, c.data, c.windows,
+                         c.ctx, c.seed)
+
+
+def _gguf(src, s: GgufScheme, out, c: CalibSettings, threads) -> dict:
+    from ..gguf_quantize import quantize_gguf
+    if s.kv_type:
+        raise QuantgateError(f"gguf:{s.name} is a KV-cache type chosen at run time: quantgate eval/generate "
+                             f"MODEL.gguf --kv-type {s.kv_type}")
+    return quantize_gguf(src, out, s.file_type, "auto" if s.imatrix else None, s.keep.bits if s.keep else None,
+                         c.data, c.windows, c.ctx, c.seed, threads)
+
+
+def _torchao(src, s: TorchaoScheme, out, c: CalibSettings, threads) -> dict:
+    raise QuantgateError(f"torchao:{s.name} quantizes when the model is loaded: quantgate eval MODEL --torchao {s.name}")
+
+
+HANDLERS = {TorchScheme: _torch, OnnxScheme: _onnx, GgufScheme: _gguf, TorchaoScheme: _torchao}
+
+
+def quantize(source: str | Path, scheme, out: str | Path, calib: CalibSettings = CalibSettings(),
+             threads: int | None = None) -> dict:
+    """Quantize `source` under `scheme` (a registry config: `quantgate.quant.get("gguf", "Q4_K_M")`) into `out`.
+    Returns the backend's summary of what it wrote."""
+    handler = HANDLERS.get(type(scheme))
+    if handler is None:
+        raise QuantgateError(f"not a quantization scheme: {scheme!r}")
+    return handler(source, scheme, out, calib, threads)
