@@ -230,65 +230,106 @@ def eval_cmd(model, data, ctx, split, max_windows, reference, torchao, device, k
                          torchao=torchao, kv_type=kv_type, threads=threads), as_json)
 
 
-GGUF_TYPES_HELP = "Q8_0, Q6_K, Q5_K_M, Q5_K_S, Q5_0, Q4_K_M, Q4_K_S, Q4_0, IQ4_NL, IQ4_XS, Q3_K_M, Q3_K_S, Q3_K_L, " \
-                  "IQ3_S, IQ3_XXS, Q2_K, F16, BF16"
+CLI_BACKENDS = {"torch": "torch", "onnxruntime": "onnx", "llama.cpp": "gguf"}  # --backend -> registry prefix
+
+
+def _base_names(backend: str) -> str:
+    """The registry's names a user types for --scheme/--type (ONNX and GGUF +gate8 variants come from
+    --gate-bits; GGUF kv- entries are run-time options, onnx fp32 is the export itself)."""
+    from quantgate.quant import SCHEMES, names
+    if backend == "torch":
+        return ", ".join(names("torch"))
+    return ", ".join(n for n in names(backend) if SCHEMES[f"{backend}:{n}"].keep is None
+                     and not n.startswith("kv-") and n != "fp32")
+
+
+def _print_schemes(backend: str | None, as_json: bool) -> None:
+    """`quantize --list`: the registry, one line per scheme under its backend (JSON rows with --json)."""
+    from quantgate.quant import listing
+    rows = listing(backend)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    width = max(len(r["name"]) for r in rows)
+    for i, r in enumerate(rows):
+        if i == 0 or rows[i - 1]["backend"] != r["backend"]:
+            click.echo(f"{r['backend']}:")
+        parts = [f"weights {r['weights']}", f"activations {r['activations']}"]
+        if r["kv_cache"]:
+            parts.append(f"KV cache {r['kv_cache']}")
+        if r["keep"]:
+            parts.append(f"keeps {r['keep']['tensors']} at {r['keep']['bits']} bits (gated models)")
+        if r["calibration"]:
+            parts.append("calibrates on --calib-data")
+        click.echo(f"  {r['name']:<{width}}  {'; '.join(parts)}; writes {r['artifact']}")
 
 
 @main.command()
-@click.argument("model", type=click.Path())
-@click.option("--backend", type=click.Choice(["auto", "torch", "llama.cpp", "onnxruntime"]), default="auto",
+@click.argument("model", type=click.Path(), required=False)
+@click.option("--list", "list_schemes", is_flag=True,
+              help="list every scheme of every backend (or of --backend): bits, activations, what it keeps at more "
+                   "bits and what it writes; then exit")
+@click.option("--json", "as_json", is_flag=True, help="print JSON (the --list table, or the summary of what was written)")
+@click.option("--backend", type=click.Choice(["auto", *CLI_BACKENDS]), default="auto",
               show_default=True, help="auto: llama.cpp for a .gguf, onnxruntime for an ONNX export, torch for a model "
               "directory (fake-quantized weights and activations, evaluated by our PyTorch runner)")
-@click.option("--scheme", default=None, help="torch: w8a8-static[-sym|-pct|-sink], w8a8-smoothquant, w8a8-dynamic, "
-              "w8a16, kv-int8, kv-int4, w4a16-g32|g64|g128, w4a16-g32-gate8, w4a16-g32-qgate8, gptq-w4a16-g32|g128; "
-              "onnxruntime: int8-dynamic, int8-static, int8-weight, int4")
+@click.option("--scheme", default=None, help=f"torch: {_base_names('torch')}; onnxruntime: {_base_names('onnx')} "
+              "(see --list)")
 @click.option("--block-size", type=click.IntRange(16, 256), default=32, show_default=True,
               help="onnxruntime int4/int8-weight: block size (16, 32, 64, 128 or 256)")
-@click.option("--type", "qtype", default=None, help=f"llama.cpp: {GGUF_TYPES_HELP}")
+@click.option("--type", "qtype", default=None, help=f"llama.cpp: {_base_names('gguf')}")
 @click.option("--imatrix", type=click.Choice(["auto"]), default=None,
               help="llama.cpp: importance matrix computed in PyTorch from --calib-data")
 @click.option("--gate-bits", type=click.Choice(["8"]), default=None,
               help="llama.cpp: keep attn_q (q and gate rows) at Q8_0 while the rest takes --type; onnxruntime int4: "
-                   "keep the fused q|gate MatMul at 8 bits")
-@click.option("--out", required=True, type=click.Path(), help="output model directory (torch, ONNX) or .gguf file")
+                   "keep the fused q|gate MatMul at 8 bits (the registry's +gate8 schemes; torch spells them "
+                   "w4a16-g32-qgate8, and w4a16-g32-gate8 keeps the gate rows only)")
+@click.option("--out", default=None, type=click.Path(), help="output model directory (torch, ONNX) or .gguf file")
 @click.option("--calib-data", default="embedded", show_default=True,
               help="calibration text (the embedded corpus's valid split; never its test split)")
 @click.option("--calib-windows", type=COUNT, default=32, show_default=True)
 @click.option("--ctx", type=CTX, default=256, show_default=True)
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--threads", type=THREADS, default=None, help="llama.cpp quantizer threads")
-def quantize(model, backend, scheme, block_size, qtype, imatrix, gate_bits, out, calib_data, calib_windows, ctx, seed,
-             threads):
+def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, imatrix, gate_bits, out, calib_data,
+             calib_windows, ctx, seed, threads):
     """Quantize MODEL: a model directory under a named PyTorch scheme (writes a loadable checkpoint that
     records the scheme), a .gguf with llama.cpp's own quantizer (--type), or an ONNX export with
-    onnxruntime.quantization (--scheme int8-dynamic|int8-static|int8-weight|int4)."""
+    onnxruntime.quantization (--scheme int8-dynamic|int8-static|int8-weight|int4). Every scheme is a row of
+    one registry (quantgate.quant): --list prints it."""
+    from dataclasses import replace
+
+    from quantgate import quant
+    if list_schemes:
+        _print_schemes(None if backend == "auto" else CLI_BACKENDS[backend], as_json)
+        return
+    if model is None or out is None:
+        raise QuantgateError(f"missing {'MODEL' if model is None else '--out'}: quantgate quantize MODEL --out PATH "
+                             f"(a model directory, a .gguf or an ONNX export), or --list to see the schemes")
     from quantgate.onnx_weights import is_onnx
     if backend == "auto":
         backend = "llama.cpp" if str(model).lower().endswith(".gguf") else "onnxruntime" if is_onnx(model) else "torch"
+    bits = int(gate_bits) if gate_bits else None
     if backend == "onnxruntime":
         if not scheme:
-            raise QuantgateError("--scheme is required for an ONNX export (int8-dynamic, int8-static, int8-weight, int4)")
+            raise QuantgateError(f"--scheme is required for an ONNX export ({_base_names('onnx')})")
         if qtype or imatrix:
             raise QuantgateError("--type and --imatrix apply to GGUF files (llama.cpp)")
-        from quantgate.onnx_quantize import quantize_onnx
-        _emit(quantize_onnx(model, out, scheme, int(gate_bits) if gate_bits else None, block_size, calib_data,
-                            calib_windows, ctx, seed), False)
-        return
-    if backend == "llama.cpp":
+        sch = replace(quant.with_gate_bits("onnx", scheme, bits), block_size=block_size)
+    elif backend == "llama.cpp":
         if not qtype:
-            raise QuantgateError(f"--type is required for a GGUF ({GGUF_TYPES_HELP})")
+            raise QuantgateError(f"--type is required for a GGUF ({_base_names('gguf')})")
         if scheme:
             raise QuantgateError("--scheme is for the torch backend; use --type for a GGUF")
-        from quantgate.gguf_quantize import quantize_gguf
-        _emit(quantize_gguf(model, out, qtype, imatrix, int(gate_bits) if gate_bits else None, calib_data,
-                            calib_windows, ctx, seed, threads), False)
-        return
-    if not scheme:
-        raise QuantgateError("--scheme is required for a model directory (see --help)")
-    if qtype or imatrix or gate_bits:
-        raise QuantgateError("--type, --imatrix and --gate-bits apply to GGUF files (llama.cpp)")
-    from quantgate.quantize import quantize_checkpoint
-    _emit(quantize_checkpoint(model, scheme, out, calib_data, calib_windows, ctx, seed), False)
+        sch = quant.with_gate_bits("gguf", qtype.upper(), bits)
+        sch = replace(sch, imatrix=True) if imatrix else sch
+    else:
+        if not scheme:
+            raise QuantgateError("--scheme is required for a model directory (see --list)")
+        if qtype or imatrix or gate_bits:
+            raise QuantgateError("--type, --imatrix and --gate-bits apply to GGUF files (llama.cpp)")
+        sch = quant.get("torch", scheme, "scheme")
+    _emit(quant.quantize(model, sch, out, quant.CalibSettings(calib_data, calib_windows, ctx, seed), threads), as_json)
 
 
 @main.group()
