@@ -49,6 +49,13 @@ RECIPE_NOTES = {  # printed in the report: why the twins were trained this way
 }
 
 
+# the report's cells in the demo (registry names, quantgate.quant): fewer than `quantgate report`'s defaults to
+# fit its time; each backend's gate-aware cell keeps the whole q|gate projection at 8 bits, beside its plain partner
+DEMO_SCHEMES = {
+    "torch": ["w8a8-static", "w8a8-static-sink", "w4a16-g32", "w4a16-g32-qgate8"],
+    "onnx": ["fp32", "int8-dynamic", "int4", "int4+gate8"],
+    "gguf": ["F16", "Q8_0", "Q4_K_M", "Q4_K_M+gate8", "kv-q4_0"],
+}
 TRAINED = ("state", "baseline", "gated")  # what the train stage writes into the demo folder
 
 
@@ -147,7 +154,7 @@ def run_demo(out: str | Path, fast: bool = False, gate: str = "elementwise", thr
                       f"(uniform {rep['uniform_bos_share']:.3f})")
     console.print(f"analyze: {stages['analyze_s']:.0f} s, plots in {out / 'plots'}")
     t = time.time()
-    from .report import DEMO_SCHEMES, ReportSettings, run_report
+    from .report import ReportSettings, run_report
     note = RECIPE_NOTES["fast" if fast else "full"]
     rep = run_report(ReportSettings(str(models["baseline"]), str(models["gated"]), str(out / "report"),
                                     schemes={k: list(v) for k, v in DEMO_SCHEMES.items()},

@@ -27,13 +27,15 @@ from .fsio import atomic_file, check_output, claim_folder, interrupts, write_jso
 from .identity import code_id, content_id
 from .identity import key as ident_key
 from .progress import console
+from .quant import SCHEMES, SCOPES, CalibSettings, plain_of, quantize
+from .quant import get as registry_get
 
 TWINS = ("baseline", "gated")
 DEFAULT_SCHEMES = {
-    "torch": ["w8a8-static", "w8a8-static-sink", "w8a8-dynamic", "w4a16-g32", "w4a16-g32-gate8"],
+    "torch": ["w8a8-static", "w8a8-static-sink", "w8a8-dynamic", "w4a16-g32", "w4a16-g32-qgate8"],
     "onnx": ["fp32", "int8-dynamic", "int8-static", "int4", "int4+gate8"],
     "gguf": ["F16", "Q8_0", "Q4_K_M", "Q4_K_M+gate8", "Q2_K", "kv-q8_0", "kv-q4_0"],
-}
+}  # names from the registry (quantgate.quant); the gate-aware ones all keep the whole q|gate projection at 8 bits
 # KLDs within 2% of each other are called a tie, not a win: the twins' KLD ratios that separate demo training
 # runs produced ranged 1.03x-1.45x, and which configurations one twin won changed between runs.
 TIE_RATIO = 1.02
@@ -41,9 +43,11 @@ BENCH_TOKENS = 192  # the speed runs prefill 128 tokens, then decode 64
 GATE_SURVIVAL_WINDOWS = 4  # calibration windows the gate-survival check of each gated artifact runs
 
 
-def gated_only(scheme: str) -> bool:
-    """Gate-aware schemes (gate rows kept at 8 bits) have nothing to keep in the baseline."""
-    return scheme.endswith("gate8")
+def gated_only(backend: str, scheme: str) -> bool:
+    """Gate-aware schemes (a KeepAt override on gate rows) have nothing to keep in the baseline. The float
+    reference cells (torch fp32 speed) are not registry schemes."""
+    sch = SCHEMES.get(f"{backend}:{scheme}")
+    return sch is not None and sch.keep is not None
 
 
 @dataclass
@@ -120,16 +124,15 @@ def _bench_torch(model, ids: list[int]) -> dict:
 
 
 def _torch_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, scheme: str) -> dict:
+    from .checkpoint import load_checkpoint
     from .evaluate import evaluate_model
-    from .quantize import quantize_checkpoint
-    from .schemes import get_scheme
-    src, sch = getattr(s, twin), get_scheme(scheme)
+    from .quantize import block_bits_per_weight
+    src, sch = getattr(s, twin), registry_get("torch", scheme)
     k = ident_key("torch", ident.code, ident.models[twin], scheme,
                   ident.calibration(s) if sch.needs_calibration else None)
-    art = arts.get(arts.root / "torch" / f"{twin}-{scheme}", k,
-                   lambda p: quantize_checkpoint(src, scheme, p, s.data, s.calib_windows, s.ctx))
+    art = arts.get(arts.root / "torch" / f"{twin}-{scheme}", k, lambda p: quantize(src, sch, p, _calib(s)))
     ev = evaluate_model(str(art), s.data, s.ctx, max_windows=s.windows, reference=src)
-    bits = 32.0 if sch.weight_bits is None else sch.weight_bits + (16 / sch.group_size if sch.group_size else 0)
+    bits = block_bits_per_weight(load_checkpoint(art).model)  # from the bits the checkpoint stored per Linear
     return {**_metrics(ev), "bits_per_weight": bits, "bytes": None, "layer_sqnr_db": ev.get("layer_sqnr_db"),
             "artifact": str(art)}
 
@@ -137,16 +140,13 @@ def _torch_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, 
 def _onnx_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, scheme: str, ids: list[int]) -> dict:
     from .evaluate import evaluate_model
     from .export.onnx import export_checkpoint
-    from .onnx_quantize import quantize_onnx
     from .ort_runner import OrtRunner
-    src = getattr(s, twin)
+    src, sch = getattr(s, twin), registry_get("onnx", scheme)
     k32 = ident_key("onnx-fp32", ident.code, ident.models[twin])
     art = fp32 = arts.get(arts.root / "onnx" / f"{twin}-fp32", k32, lambda p: export_checkpoint(src, p))
-    if scheme != "fp32":
-        base, _, gate8 = scheme.partition("+gate")
-        k = ident_key("onnx", k32, scheme, ident.calibration(s) if base == "int8-static" else None)
-        art = arts.get(arts.root / "onnx" / f"{twin}-{scheme}", k, lambda p: quantize_onnx(
-            fp32, p, base, int(gate8) if gate8 else None, calib_data=s.data, calib_windows=s.calib_windows, ctx=s.ctx))
+    if sch.tool != "export":
+        k = ident_key("onnx", k32, scheme, ident.calibration(s) if sch.needs_calibration else None)
+        art = arts.get(arts.root / "onnx" / f"{twin}-{scheme}", k, lambda p: quantize(fp32, sch, p, _calib(s)))
     ev = evaluate_model(str(art), s.data, s.ctx, max_windows=s.windows, reference=src, threads=s.threads)
     with OrtRunner(art, threads=s.threads) as r:
         speed = r.bench(ids[:128], ids[128:192], repeats=3)
@@ -159,23 +159,18 @@ def _gguf_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, s
     from .evaluate import evaluate_model
     from .export.gguf import export_checkpoint
     from .gguf_file import inspect_gguf
-    from .gguf_quantize import quantize_gguf
     from .llama_runner import LlamaRunner
-    src, root = getattr(s, twin), arts.root / "gguf"
-    kv = "f32"
-    if scheme.startswith("kv-"):  # F16 weights, quantized KV cache: what a laptop would run
-        scheme_file, kv = "F16", scheme[3:]
-    else:
-        scheme_file = scheme
-    base, _, gate8 = scheme_file.partition("+gate")
-    if base == "F16":
+    src, root, sch = getattr(s, twin), arts.root / "gguf", registry_get("gguf", scheme)
+    kv = sch.kv_type or "f32"  # kv-*: F16 weights, quantized KV cache: what a laptop would run
+    scheme_file = "F16" if sch.kv_type else scheme
+    if scheme_file == "F16":
         art = arts.get(root / f"{twin}-F16.gguf", ident_key("gguf-F16", ident.code, ident.models[twin]),
                        lambda p: export_checkpoint(src, p, "f16"))
     else:
         k32 = ident_key("gguf-F32", ident.code, ident.models[twin])
         f32 = arts.get(root / f"{twin}-F32.gguf", k32, lambda p: export_checkpoint(src, p, "f32"))
         art = arts.get(root / f"{twin}-{scheme_file}.gguf", ident_key("gguf", k32, scheme_file),
-                       lambda p: quantize_gguf(f32, p, base, gate_bits=int(gate8) if gate8 else None, threads=s.threads))
+                       lambda p: quantize(f32, sch, p, _calib(s), threads=s.threads))
     ev = evaluate_model(str(art), s.data, s.ctx, max_windows=s.windows, reference=src, kv_type=kv, threads=s.threads)
     with LlamaRunner(art, n_ctx=max(s.ctx, BENCH_TOKENS), kv_type=kv if kv != "f32" else "f16", threads=s.threads,
                      logits_all=False) as r:
@@ -183,6 +178,10 @@ def _gguf_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, s
     info = inspect_gguf(art)
     return {**_metrics(ev), "bytes": info.n_bytes, "bits_per_weight": info.bits_per_weight, "kv_type": kv,
             **_speed(speed), "artifact": str(art)}
+
+
+def _calib(s: ReportSettings) -> CalibSettings:
+    return CalibSettings(s.data, s.calib_windows, s.ctx)
 
 
 def _metrics(ev: dict) -> dict:
@@ -201,33 +200,15 @@ def _n_params(path: str) -> int:
 
 # --- the run -----------------------------------------------------------------------------------------
 
-def known_schemes(backend: str) -> list[str]:
-    """Every scheme name a report cell of `backend` accepts: checked before any work, so a typo is one
-    error line and not a report whose cells were all skipped."""
-    if backend == "torch":
-        from .schemes import SCHEMES
-        return list(SCHEMES)
-    if backend == "onnx":
-        from .onnx_quantize import SCHEMES
-        return ["fp32", *SCHEMES, "int4+gate8"]
-    from .gguf_quantize import FILE_TYPES
-    from .llama_runner import KV_TYPES
-    return [*FILE_TYPES, *(f"{t}+gate8" for t in FILE_TYPES if t not in ("F16", "BF16", "Q8_0")),
-            *(f"kv-{k}" for k in KV_TYPES if k != "f32")]
-
-
 def check_settings(s: ReportSettings) -> None:
+    """Checked before any work, so a typo is one error line and not a report whose cells were all skipped."""
     from .calib_data import data_paths
     unknown = [b for b in s.backends if b not in DEFAULT_SCHEMES]
     if unknown:
         raise QuantgateError(f"unknown backend {unknown[0]!r}; choose from {', '.join(DEFAULT_SCHEMES)}")
     for backend in s.backends:
-        names = known_schemes(backend)
         for scheme in s.schemes.get(backend, DEFAULT_SCHEMES[backend]):
-            if scheme not in names:
-                listed = ", ".join(n for n in names if not n.endswith("+gate8"))
-                aware = " (or a 2- to 6-bit type with +gate8)" if backend == "gguf" else ""
-                raise QuantgateError(f"unknown {backend} scheme {scheme!r}; choose from {listed}{aware}")
+            registry_get(backend, scheme)  # an unknown name: one line listing the choices
     check_output(s.out, "report", (s.baseline, s.gated, *data_paths(s.data)))
 
 
@@ -295,7 +276,7 @@ def run_report(s: ReportSettings) -> dict:
                                        "delta_ppl_pct": 0.0, **_bench_torch(loaded[twin].model, ids)},
                     f"torch {twin} fp32 speed", timings)
             for scheme in s.schemes.get(backend, DEFAULT_SCHEMES[backend]):
-                if twin == "baseline" and gated_only(scheme):
+                if twin == "baseline" and gated_only(backend, scheme):
                     continue
                 label = f"{backend} {twin} {scheme}"
 
@@ -340,13 +321,6 @@ def run_report(s: ReportSettings) -> dict:
 
 
 # --- numbers -> report ---------------------------------------------------------------------------------
-
-DEMO_SCHEMES = {
-    "torch": ["w8a8-static", "w8a8-static-sink", "w4a16-g32", "w4a16-g32-gate8"],
-    "onnx": ["fp32", "int8-dynamic", "int4", "int4+gate8"],
-    "gguf": ["F16", "Q8_0", "Q4_K_M", "Q4_K_M+gate8", "kv-q4_0"],
-}
-
 
 def _link(analysis: dict, cells: dict, twin: str) -> dict | None:
     """Per Linear: W8A8-static output SQNR against that layer's input inf-norm, with their correlation."""
@@ -446,7 +420,7 @@ def conclusion(rep: dict) -> list[str]:
     wins = {"baseline": 0, "gated": 0, "tie": 0}
     for key, cell in rep["cells"].items():
         backend, twin, scheme = key.split("/")
-        if twin != "gated" or gated_only(scheme) or scheme in ("fp32", "F16"):
+        if twin != "gated" or gated_only(backend, scheme) or scheme in ("fp32", "F16"):
             continue
         other = rep["cells"].get(f"{backend}/baseline/{scheme}")
         if not other or other.get("kld_mean") is None or cell.get("kld_mean") is None:
@@ -461,12 +435,14 @@ def conclusion(rep: dict) -> list[str]:
                    else f"the {better} twin loses less")
         lines.append(f"{backend} {scheme}: {verdict} (KLD {kb:.5f} baseline vs {kg:.5f} gated, "
                      f"{ratio:.2f}x; delta ppl {other['delta_ppl_pct']:+.2f}% vs {cell['delta_ppl_pct']:+.2f}%).")
-    for plain, aware in (("w4a16-g32", "w4a16-g32-gate8"), ("int4", "int4+gate8"), ("Q4_K_M", "Q4_K_M+gate8")):
-        for backend in ("torch", "onnx", "gguf"):
-            p, a = rep["cells"].get(f"{backend}/gated/{plain}"), rep["cells"].get(f"{backend}/gated/{aware}")
-            if p and a:
-                lines.append(f"{backend}: keeping the gate at 8 bits under {plain} changes the gated twin's KLD from "
-                             f"{p['kld_mean']:.5f} to {a['kld_mean']:.5f}.")
+    for key, a in rep["cells"].items():  # each gate-aware cell beside the same scheme without its override
+        backend, twin, scheme = key.split("/")
+        sch = SCHEMES.get(f"{backend}:{scheme}")
+        aware = twin == "gated" and gated_only(backend, scheme)
+        p = rep["cells"].get(f"{backend}/gated/{plain_of(sch)}") if aware else None
+        if p:
+            lines.append(f"{backend}: keeping {SCOPES[sch.keep.scope]} at {sch.keep.bits} bits under {plain_of(sch)} "
+                         f"changes the gated twin's KLD from {p['kld_mean']:.5f} to {a['kld_mean']:.5f}.")
     total = sum(wins.values())
     if total:
         ties = f", {wins['tie']} within {TIE_RATIO - 1:.0%}" if wins["tie"] else ""
@@ -504,7 +480,7 @@ def report_plots(rep: dict, out_dir: Path) -> list[Path]:
                 for x, y, name in pts:
                     ax.annotate(name, (x, y), fontsize=6, xytext=(2, 2), textcoords="offset points")
         ax.set_yscale("log")
-        ax.set_xlabel("bits per weight" + (" (nominal, linear layers)" if backend == "torch"
+        ax.set_xlabel("bits per weight" + (" (as stored, block Linears)" if backend == "torch"
                                            else " (whole file, embeddings included)"))
         ax.set_ylabel("KL divergence vs float")
         ax.set_title(backend)
