@@ -92,6 +92,22 @@ def save_tiny_twins(d: Path, text_name: str = "text.txt") -> Path:
     return d
 
 
+def save_k_quant_model(d: Path):
+    """A gated model whose rows are multiples of 256 (llama.cpp's k-quants take every tensor, no fallback
+    types), saved under d/m with a byte tokenizer and exported as the F32 d/m.gguf. Returns the model."""
+    from quantgate.checkpoint import save_checkpoint
+    from quantgate.export.gguf import export_checkpoint
+    from quantgate.model import build_model, preset
+    from quantgate.tokenizer import byte_tokenizer
+    cfg = preset("tiny", vocab_size=300, dim=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512,
+                 gate="elementwise")
+    m = build_model(cfg, seed=1).eval()
+    randomize_(m, 1, std=0.06)
+    save_checkpoint(m, d / "m", byte_tokenizer())
+    export_checkpoint(d / "m", d / "m.gguf")
+    return m
+
+
 def export_gated_twin(d: Path) -> Path:
     """The gated twin under d/gated exported through the CLI as d/g.gguf and d/onnx (the sweeps' GGUF and ONNX
     inputs)."""

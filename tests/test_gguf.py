@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_hf_qwen3, make_hf_qwen3_next, randomize_, rel_err, run_cli
+from conftest import make_hf_qwen3, make_hf_qwen3_next, randomize_, rel_err, run_cli, save_k_quant_model
 from quantgate.checkpoint import load_checkpoint, save_checkpoint
 from quantgate.errors import QuantgateError
 from quantgate.export.gguf import export_checkpoint, export_gguf, rope_sections
@@ -108,12 +108,7 @@ def quant_model(tmp_path_factory):
     """A gated model with rows that are multiples of 256 (real k-quants, no fallbacks), its F32 GGUF and
     reference logits."""
     d = tmp_path_factory.mktemp("q")
-    cfg = preset("tiny", vocab_size=300, dim=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512,
-                 gate="elementwise")
-    m = build_model(cfg, seed=1).eval()
-    randomize_(m, 1, std=0.06)
-    save_checkpoint(m, d / "m", byte_tokenizer())
-    export_checkpoint(d / "m", d / "m.gguf")
+    m = save_k_quant_model(d)
     w = np.random.default_rng(0).integers(3, 259, (4, 64))
     w[:, 0] = 0
     with torch.no_grad():
