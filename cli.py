@@ -306,9 +306,9 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
     if model is None or out is None:
         raise QuantgateError(f"missing {'MODEL' if model is None else '--out'}: quantgate quantize MODEL --out PATH "
                              f"(a model directory, a .gguf or an ONNX export), or --list to see the schemes")
-    from quantgate.onnx_weights import is_onnx
+    from quantgate.formats import artifact_kind
     if backend == "auto":
-        backend = "llama.cpp" if str(model).lower().endswith(".gguf") else "onnxruntime" if is_onnx(model) else "torch"
+        backend = {"gguf": "llama.cpp", "onnx": "onnxruntime", "hf": "torch"}[artifact_kind(model)]
     bits = int(gate_bits) if gate_bits else None
     if backend == "onnxruntime":
         if not scheme:

@@ -19,6 +19,7 @@ import torch
 
 from quantgate import __version__
 from quantgate.errors import QuantgateError
+from quantgate.formats import artifact_kind
 from quantgate.fsio import atomic_path, check_output
 from quantgate.layouts import _fuse_interleaved
 from quantgate.model import Model, ModelConfig
@@ -337,7 +338,7 @@ def export_checkpoint(model_path: str | Path, out: str | Path, outtype: str = "f
     from quantgate.gguf_file import inspect_gguf
 
     from quantgate.fsio import check_output
-    if str(model_path).lower().endswith(".gguf"):
+    if artifact_kind(model_path) == "gguf":
         raise QuantgateError(f"{model_path} is already a GGUF; quantize it with `quantgate quantize FILE.gguf --type ...`")
     check_output(out, "gguf", (model_path,))
     loaded = load_checkpoint(model_path)

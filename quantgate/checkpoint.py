@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from . import __version__
 from .errors import QuantgateError
+from .formats import artifact_kind
 from .fsio import atomic_dir, check_output, read_json
 from .layouts import (DEFAULT_LAYOUT_FOR_GATE, GLOBAL_NAMES, LAYER_NAMES, LAYOUTS, Q_NAME, Layout,
                       detect_layout, is_norm)
@@ -355,11 +356,11 @@ def load_checkpoint(path: str | Path, with_tokenizer: bool = True) -> Loaded:
     """Load any supported layout into our Model (fp32, eval mode); a .gguf file or an ONNX export is
     dequantized."""
     path = Path(path)
-    if path.suffix.lower() == ".gguf":  # a GGUF file: dequantized into our model (quantgate.gguf_file)
+    kind = artifact_kind(path)
+    if kind == "gguf":  # a GGUF file: dequantized into our model (quantgate.gguf_file)
         from .gguf_file import load_gguf_model
         return load_gguf_model(path)
-    from .onnx_weights import is_onnx
-    if is_onnx(path):  # an exported ONNX directory: dequantized likewise (quantgate.onnx_weights)
+    if kind == "onnx":  # an exported ONNX directory: dequantized likewise (quantgate.onnx_weights)
         from .onnx_weights import load_onnx_model
         return load_onnx_model(path)
     if not path.exists():

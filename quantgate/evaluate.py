@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import QuantgateError
+from .formats import artifact_kind
 from .fsio import atomic_file
 from .progress import track
 from .runners import Runner, TorchRunner
@@ -135,7 +136,8 @@ def open_model(model_path: str, device: str = "cpu", torchao: str | None = None,
                ctx: int = 256, threads: int | None = None):
     """(runner, tokenizer, backend name, extra) for a model directory (PyTorch), a .gguf file (llama.cpp) or an
     ONNX export (ONNX Runtime). Windows of `ctx` tokens must fit the model's context; weights must be finite."""
-    if str(model_path).lower().endswith(".gguf"):
+    kind = artifact_kind(model_path)
+    if kind == "gguf":
         from .gguf_file import check_finite_weights, inspect_gguf, open_reader, tokenizer_from_gguf
         from .llama_runner import LlamaRunner
         if torchao:
@@ -145,8 +147,7 @@ def open_model(model_path: str, device: str = "cpu", torchao: str | None = None,
         tok = tokenizer_from_gguf(open_reader(model_path))
         runner = LlamaRunner(model_path, n_ctx=ctx, kv_type=kv_type, threads=threads, device=device)
         return runner, tok, f"llama.cpp:{runner.info.file_type}", {"kv_type": kv_type, "gguf_bytes": runner.info.n_bytes}
-    from .onnx_weights import is_onnx
-    if is_onnx(model_path):
+    if kind == "onnx":
         from .onnx_weights import check_finite_initializers, onnx_context
         from .ort_runner import OrtRunner, read_meta, resolve_onnx
         from .tokenizer import load_tokenizer

@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 import torch
 
 from .errors import QuantgateError
+from .formats import artifact_kind
 
 
 @dataclass
@@ -97,7 +98,8 @@ def generate(model_path: str, prompt: str, max_tokens: int = 64, temperature: fl
             if on_text:
                 on_text(s)
 
-    if str(model_path).lower().endswith(".gguf"):
+    kind = artifact_kind(model_path)
+    if kind == "gguf":
         from .gguf_file import check_finite_weights, inspect_gguf, open_reader, tokenizer_from_gguf
         from .llama_runner import LlamaRunner
         context = inspect_gguf(model_path).context_length
@@ -115,8 +117,7 @@ def generate(model_path: str, prompt: str, max_tokens: int = 64, temperature: fl
         return GenerateResult("".join(pieces), len(ids), st.generated_tokens, st.prefill_tps, st.decode_tps, backend,
                               context, budget < max_tokens and st.generated_tokens == budget)
 
-    from .onnx_weights import is_onnx
-    if is_onnx(model_path):
+    if kind == "onnx":
         from .onnx_weights import check_finite_initializers, onnx_context
         from .ort_runner import OrtRunner, read_meta, resolve_onnx
         from .tokenizer import load_tokenizer

@@ -46,7 +46,7 @@ def code_id() -> str:
     import importlib.metadata as md
 
     h = hashlib.sha256()
-    for pkg in ("quantgate", "quantgate.quant", "quantgate.export", "quantgate.calib_data"):
+    for pkg in ("quantgate", "quantgate.quant", "quantgate.formats", "quantgate.export", "quantgate.calib_data"):
         mod = importlib.import_module(pkg)
         for d in mod.__path__:
             for f in sorted(Path(d).glob("*.py")):

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 from .checkpoint import load_checkpoint
+from .formats import artifact_kind
 
 
 def model_info(path: str) -> dict:
     loaded = load_checkpoint(path)
     cfg = loaded.model.cfg
     gguf = {}
-    if str(path).lower().endswith(".gguf"):
+    if artifact_kind(path) == "gguf":
         from .gguf_file import inspect_gguf
         g = inspect_gguf(path)
         gguf = {"gguf": {"arch": g.arch, "file_type": g.file_type, "bytes": g.n_bytes,

@@ -167,6 +167,6 @@ def check_finite_initializers(onnx_path) -> None:
 
 
 def is_onnx(path) -> bool:
-    from pathlib import Path
-    p = Path(path)
-    return p.suffix.lower() == ".onnx" or (p.is_dir() and (p / "model.onnx").is_file())
+    """Kept for one release: `quantgate.formats.artifact_kind(path) == "onnx"`."""
+    from .formats import artifact_kind
+    return artifact_kind(path) == "onnx"

@@ -1,0 +1,21 @@
+"""What a path holds, decided in one place (mlx-lm's `utils.load` shape): every command that accepts "a model
+directory, a .gguf or an ONNX export" asks `artifact_kind` instead of testing suffixes itself.
+
+The GGUF and ONNX readers and name tables move here next (issue 12); for now this is the one suffix test.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+KINDS = ("hf", "gguf", "onnx")  # a model directory (any supported layout), a GGUF file, an ONNX export
+
+
+def artifact_kind(path: str | Path) -> str:
+    """"gguf" for a .gguf file, "onnx" for a model.onnx or a folder holding one, otherwise "hf" (a model
+    directory; whether it exists and holds a model is the loader's check)."""
+    p = Path(path)
+    if p.suffix.lower() == ".gguf":
+        return "gguf"
+    if p.suffix.lower() == ".onnx" or (p.is_dir() and (p / "model.onnx").is_file()):
+        return "onnx"
+    return "hf"
