@@ -25,15 +25,14 @@ import torch
 from .errors import DiskFull, QuantgateError
 from .fsio import atomic_path, check_output
 from .gguf_file import inspect_gguf
-from .quant.schemes import GGUF_FILE_TYPES, NEEDS_IMATRIX, ggml_type, llama_file_type
+from .quant.schemes import GGUF_FILE_TYPES, NEEDS_IMATRIX, ggml_type, llama_file_type, with_gate_bits
 
 # llama.cpp file types that `quantgate quantize` offers -> enum llama_ftype (gguf-py's LlamaFileType)
 FILE_TYPES = {t: llama_file_type(t) for t in GGUF_FILE_TYPES}
 GGML_Q8_0 = ggml_type("q8_0")
-# KeepAt scope -> regex over tensor names; qwen35 fuses q and gate rows in attn_q, so only the whole
-# q|gate projection can be kept (not attn_q_norm, not attn_qkv)
-KEEP_SCOPE_PATTERNS = {"q_and_gate": r"attn_q\.weight"}
-GATE_PATTERN = KEEP_SCOPE_PATTERNS["q_and_gate"]
+# KeepAt scope q_and_gate as a regex over tensor names: qwen35 fuses q and gate rows in attn_q, so the whole
+# q|gate projection is the only scope a GGUF can keep (not attn_q_norm, not attn_qkv)
+GATE_PATTERN = r"attn_q\.weight"
 
 
 def importance_matrix(model, windows: np.ndarray, batch: int = 4) -> dict[str, np.ndarray]:
@@ -82,8 +81,7 @@ def quantize_gguf(src: str | Path, out: str | Path, qtype: str, imatrix: str | N
         raise QuantgateError(f"unknown GGUF type {qtype!r}; choose from {', '.join(FILE_TYPES)}")
     if imatrix not in (None, "auto"):
         raise QuantgateError(f"--imatrix must be 'auto' (computed from --calib-data), got {imatrix!r}")
-    if gate_bits not in (None, 8):
-        raise QuantgateError(f"--gate-bits must be 8, got {gate_bits}")
+    with_gate_bits("gguf", qtype, gate_bits)  # the registry says which types take a gate override
     if qtype in NEEDS_IMATRIX and imatrix is None:
         raise QuantgateError(f"{qtype} needs an importance matrix: add --imatrix auto")
     src, out = Path(src), Path(out)

@@ -25,7 +25,7 @@ import numpy as np
 from .errors import QuantgateError
 from .fsio import atomic_dir, check_output
 from .ort_runner import OrtRunner, check_graph, read_meta, resolve_onnx
-from .quant.schemes import ONNX_SCHEMES
+from .quant.schemes import ONNX_SCHEMES, with_gate_bits
 
 # the registry's ONNX recipes this function runs (fp32 is the export itself; +gate8 is `gate_bits=8`)
 SCHEMES = tuple(s.name for s in ONNX_SCHEMES if s.tool != "export" and s.keep is None)
@@ -73,10 +73,7 @@ def quantize_onnx(src: str | Path, out_dir: str | Path, scheme: str, gate_bits: 
     """Quantize the ONNX decoder at `src` (a directory or model.onnx) into `out_dir`. Returns a summary."""
     if scheme not in SCHEMES:
         raise QuantgateError(f"unknown ONNX scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
-    if gate_bits not in (None, 8):
-        raise QuantgateError(f"--gate-bits must be 8, got {gate_bits}")
-    if gate_bits and scheme != "int4":
-        raise QuantgateError(f"--gate-bits 8 applies to int4 (the {scheme} gate rows are 8-bit already)")
+    with_gate_bits("onnx", scheme, gate_bits)  # the registry says which schemes take a gate override
     if block_size not in (16, 32, 64, 128, 256):
         raise QuantgateError(f"--block-size must be 16, 32, 64, 128 or 256, got {block_size}")
     path, model_dir = resolve_onnx(src)

@@ -2,19 +2,14 @@
 other backends' (`quantgate.quant.get("torch", name)`)."""
 from __future__ import annotations
 
-from dataclasses import replace
-
-from .errors import QuantgateError
-from .quant.schemes import TORCH_SCHEMES
+from .quant.schemes import TORCH_SCHEMES, get
 from .quant.schemes import TorchScheme as Scheme
 
 SCHEMES: dict[str, Scheme] = {s.name: s for s in TORCH_SCHEMES}
 
 
 def get_scheme(name: str, **overrides) -> Scheme:
-    if name not in SCHEMES:
-        raise QuantgateError(f"unknown scheme {name!r}; choose from {', '.join(SCHEMES)}")
-    return replace(SCHEMES[name], **overrides) if overrides else SCHEMES[name]
+    return get("torch", name, "scheme", **overrides)
 
 
 __all__ = ["SCHEMES", "Scheme", "get_scheme"]

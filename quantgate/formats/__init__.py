@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-KINDS = ("hf", "gguf", "onnx")  # a model directory (any supported layout), a GGUF file, an ONNX export
-
 
 def artifact_kind(path: str | Path) -> str:
     """"gguf" for a .gguf file, "onnx" for a model.onnx or a folder holding one, otherwise "hf" (a model

@@ -5,7 +5,7 @@
 """
 from .build import CalibSettings, quantize
 from .schemes import (SCHEMES, SCOPES, GgufScheme, KeepAt, OnnxScheme, TorchaoScheme, TorchScheme, get, listing,
-                      names, parse, plain_of, with_gate_bits)
+                      names, plain_of, with_gate_bits)
 
 __all__ = ["SCHEMES", "SCOPES", "CalibSettings", "GgufScheme", "KeepAt", "OnnxScheme", "TorchScheme", "TorchaoScheme",
-           "get", "listing", "names", "parse", "plain_of", "quantize", "with_gate_bits"]
+           "get", "listing", "names", "plain_of", "quantize", "with_gate_bits"]

@@ -29,7 +29,6 @@ SCOPES = {  # scope -> the tensors it keeps, in words (the same on every backend
     "gate": "the gate rows W_g only",
     "q_and_gate": "the whole q|gate projection (q rows and gate rows)",
 }
-BACKENDS = ("torch", "onnx", "gguf", "torchao")  # registry prefixes; the report's backends are the first three
 
 
 @dataclass(frozen=True)
@@ -312,18 +311,6 @@ def get(backend: str, name: str, what: str | None = None, **overrides):
                 tail = "; any type below 8 bits takes +gate8, and kv-q8_0 or kv-q4_0 run an F16 file with that KV cache"
         raise QuantgateError(f"unknown {what or backend + ' scheme'} {name!r}; choose from {', '.join(listed)}{tail}")
     return replace(s, **overrides) if overrides else s
-
-
-def parse(spec: str, default_backend: str | None = None):
-    """`backend:name` (or a bare name with `default_backend`) -> the registry's config."""
-    backend, sep, name = spec.partition(":")
-    if not sep:
-        if default_backend is None:
-            raise QuantgateError(f"scheme {spec!r} names no backend: write backend:name ({', '.join(BACKENDS)})")
-        backend, name = default_backend, spec
-    if backend not in BACKENDS:
-        raise QuantgateError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
-    return get(backend, name)
 
 
 def with_gate_bits(backend: str, name: str, gate_bits: int | None):
