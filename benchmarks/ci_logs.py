@@ -16,7 +16,7 @@ HERE = Path(__file__).parent / "results"
 
 def summarise(text: str) -> dict:
     steps = []
-    for m in re.finditer(r"^=+ (.*) in ([\d.]+)s .*=+$", text, re.M):
+    for m in re.finditer(r"^(?:=+ )?(\d+ (?:passed|failed).*?) in ([\d.]+)s", text, re.M):
         counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|skipped|failed|deselected|error)", m[1])}
         steps.append({**counts, "seconds": float(m[2])})
     end = re.search(r"^rc=(\d+) wall=(\d+)$", text, re.M)
