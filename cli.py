@@ -2,6 +2,10 @@
 
 Installed as `quantgate.cli`. Every bad input ends in one `error: ...` line on stderr and exit code 2;
 Ctrl-C ends with exit code 130, SIGTERM with 143. Nothing half-written is left behind (see quantgate.fsio).
+
+Each command imports the module it runs when it runs (as mlx-lm's command dispatch does), so `quantgate --help`
+starts in a fraction of a second instead of the seconds torch, onnx and llama.cpp take to import. This file is
+the one place where the project's own modules are imported inside functions (tests/test_structure.py).
 """
 from __future__ import annotations
 
@@ -300,6 +304,7 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
     from dataclasses import replace
 
     from quantgate import quant
+    from quantgate.quant.build import CalibSettings, quantize
     if list_schemes:
         _print_schemes(None if backend == "auto" else CLI_BACKENDS[backend], as_json)
         return
@@ -329,7 +334,7 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
         if qtype or imatrix or gate_bits:
             raise QuantgateError("--type, --imatrix and --gate-bits apply to GGUF files (llama.cpp)")
         sch = quant.get("torch", scheme, "scheme")
-    _emit(quant.quantize(model, sch, out, quant.CalibSettings(calib_data, calib_windows, ctx, seed), threads), as_json)
+    _emit(quantize(model, sch, out, CalibSettings(calib_data, calib_windows, ctx, seed), threads), as_json)
 
 
 @main.group()

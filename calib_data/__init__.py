@@ -1,7 +1,9 @@
-"""Calibration and evaluation text sources (installed as `quantgate.calib_data`)."""
+"""Calibration and evaluation text sources (installed as `quantgate.calib_data`), and the split policy."""
 from .documents import SPLITS, Corpus, Document, split_of
 from .sampling import TokenStream, sample_windows, tokenize_corpus
 from .sources import data_paths, load_corpus, read_text_file
+from .splits import calibration_split, calibration_windows, check_ctx, default_split, eval_windows
 
 __all__ = ["SPLITS", "Corpus", "Document", "split_of", "load_corpus", "read_text_file", "data_paths",
-           "TokenStream", "tokenize_corpus", "sample_windows"]
+           "TokenStream", "tokenize_corpus", "sample_windows", "calibration_split", "calibration_windows",
+           "check_ctx", "default_split", "eval_windows"]

@@ -4,77 +4,38 @@ Baseline models become arch `qwen3`. Gated models become arch `qwen35` (Qwen3.5'
 every real layer full attention: `attn_q` holds [q_h | gate_h] per head, and llama.cpp's graph splits
 it, runs attention and multiplies by sigmoid(gate) before `attn_output` (DESIGN section 3).
 
-Name tables follow gguf-py's TENSOR_NAMES; weights are written as PyTorch stores them ([out, in]),
+Name tables (quantgate.formats.gguf_layout) come from gguf-py's TENSOR_NAMES; weights are written as PyTorch stores them ([out, in]),
 no permutations (both archs use NEOX-style rope). Written by hand because no converter maps our
 model (or the official gated layout) to qwen35; gguf-py does the file format.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 
 from quantgate import __version__
 from quantgate.errors import QuantgateError
-from quantgate.formats import artifact_kind
+from quantgate.formats import artifact_kind, inspect_gguf, load_checkpoint
+from quantgate.formats.gguf_layout import (GLOBAL_TENSORS, LAYER_TENSORS, LINEAR_TO_GGUF, POST_ATTENTION_NORM,
+                                           Q_TENSOR, QWEN2_SPLIT, IdentityLayerShape, expected_tensor_names,
+                                           expected_tensor_shapes, gguf_arch, identity_recurrent_layer)
 from quantgate.fsio import atomic_path, check_output
 from quantgate.layouts import _fuse_interleaved
-from quantgate.model import Model, ModelConfig
+from quantgate.model import Model
 from quantgate.tokenizer import Tokenizer
 
+# the name tables and the identity layer live in quantgate.formats.gguf_layout (shared with the reader);
+# re-exported here for one release
+__all__ = ["export_gguf", "export_checkpoint", "rope_sections", "tokenizer_pre", "tokenizer_fields", "gguf_tensors",
+           "GLOBAL_TENSORS", "LAYER_TENSORS", "LINEAR_TO_GGUF", "POST_ATTENTION_NORM", "Q_TENSOR", "QWEN2_SPLIT",
+           "IdentityLayerShape", "expected_tensor_names", "expected_tensor_shapes", "gguf_arch",
+           "identity_recurrent_layer"]
+
 OUTTYPES = ("f32", "f16", "bf16")
-
-GLOBAL_TENSORS = {  # ours -> GGUF
-    "embed_tokens.weight": "token_embd.weight",
-    "norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",  # omitted when tied: llama.cpp then reuses token_embd
-}
-LAYER_TENSORS = {  # ours (under layers.{i}.) -> GGUF (under blk.{i}.), both archs
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-POST_ATTENTION_NORM = {"qwen3": "ffn_norm.weight", "qwen35": "post_attention_norm.weight"}
-Q_TENSOR = "attn_q.weight"  # qwen3: q rows; qwen35: per head [q_h | gate_h]
-
-# ours -> the GGUF tensor whose input is that Linear's input (for importance matrices and gate checks)
-LINEAR_TO_GGUF = {
-    "self_attn.q_proj": "attn_q.weight", "self_attn.g_proj": "attn_q.weight",
-    "self_attn.k_proj": "attn_k.weight", "self_attn.v_proj": "attn_v.weight",
-    "self_attn.o_proj": "attn_output.weight", "mlp.gate_proj": "ffn_gate.weight",
-    "mlp.up_proj": "ffn_up.weight", "mlp.down_proj": "ffn_down.weight",
-}
-
-
-@dataclass
-class IdentityLayerShape:
-    """The one recurrent (gated delta net) layer llama.cpp's qwen35 needs (see `identity_recurrent_layer`).
-
-    state = head_k_dim, inner = value width, heads = value heads (dt_rank), groups = key heads. Its MLP
-    has the model's width: llama.cpp's qwen35 reads one feed_forward_length for all layers (a per-layer
-    array fails its shape check). Measured on the small twins, 1 thread (benchmarks/results/gguf_twins.md):
-    256x256 (DESIGN's first choice) costs +20..40% prefill and decode time; 32x32 and 1x1 cost 0..27%
-    depending on the run (within this machine's noise of each other), so the default is 1x1, the smallest
-    file; its few 1-wide rows stay unquantized.
-    """
-    state: int = 1
-    inner: int = 1
-    heads: int = 1
-    groups: int = 1
-    conv_kernel: int = 4
-
-
-def gguf_arch(cfg: ModelConfig) -> str:
-    return "qwen3" if cfg.gate == "none" else "qwen35"
 
 
 def rope_sections(rotary_dim: int) -> list[int]:
@@ -95,11 +56,6 @@ def rope_sections(rotary_dim: int) -> list[int]:
 
 
 # --- tokenizer -------------------------------------------------------------------------------------
-
-# The HF pre-tokenizer that each llama.cpp `tokenizer.ggml.pre` reproduces (llama.cpp's own table).
-QWEN2_SPLIT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
-               "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
-
 
 def tokenizer_pre(tok: Tokenizer) -> str:
     """The llama.cpp pre-tokenizer name for a byte-level BPE tokenizer.json, or a clear error."""
@@ -147,7 +103,7 @@ def tokenizer_fields(tok: Tokenizer, n_rows: int) -> dict:
 # --- tensors ---------------------------------------------------------------------------------------
 
 def gguf_tensors(model: Model) -> dict[str, torch.Tensor]:
-    """GGUF name -> fp32 tensor for the real layers (name tables above)."""
+    """GGUF name -> fp32 tensor for the real layers (name tables of formats.gguf_layout)."""
     cfg, sd = model.cfg, model.state_dict()
     arch = gguf_arch(cfg)
     out = {}
@@ -168,77 +124,10 @@ def gguf_tensors(model: Model) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().contiguous() for k, v in out.items()}
 
 
-def identity_recurrent_layer(cfg: ModelConfig, shape: IdentityLayerShape, i: int) -> dict[str, torch.Tensor]:
-    """Workaround for a llama.cpp defect, kept in this one place.
-
-    qwen35 with zero recurrent layers loads but aborts the process on the first decode (an unused
-    recurrent-state input is never allocated; GGML_ASSERT, not catchable). So the file gets one extra
-    gated-delta-net layer after the real ones whose output projections (`ssm_out`, `ffn_down`) are zero:
-    it adds exactly 0 to the residual stream. Its other weights are zero too, so no NaN can arise in it.
-    Its cost (compute and bytes) is measured in benchmarks/gguf_twins.py.
-    """
-    D = cfg.dim
-    key_dim, ffn = shape.state * shape.groups, cfg.ffn_dim
-    z = torch.zeros
-    return {
-        f"blk.{i}.attn_norm.weight": torch.ones(D),
-        f"blk.{i}.post_attention_norm.weight": torch.ones(D),
-        f"blk.{i}.attn_qkv.weight": z(2 * key_dim + shape.inner, D),
-        f"blk.{i}.attn_gate.weight": z(shape.inner, D),
-        f"blk.{i}.ssm_conv1d.weight": z(2 * key_dim + shape.inner, shape.conv_kernel),
-        f"blk.{i}.ssm_beta.weight": z(shape.heads, D),
-        f"blk.{i}.ssm_alpha.weight": z(shape.heads, D),
-        f"blk.{i}.ssm_dt.bias": z(shape.heads),
-        f"blk.{i}.ssm_a": z(shape.heads),
-        f"blk.{i}.ssm_norm.weight": torch.ones(shape.inner // shape.heads),
-        f"blk.{i}.ssm_out.weight": z(D, shape.inner),
-        f"blk.{i}.ffn_gate.weight": z(ffn, D),
-        f"blk.{i}.ffn_up.weight": z(ffn, D),
-        f"blk.{i}.ffn_down.weight": z(D, ffn),
-    }
-
-
-def expected_tensor_names(arch: str, n_layers: int, tied: bool, identity: int) -> set[str]:
-    """Every tensor a file of this shape holds (what the exporter writes and llama.cpp's loader wants)."""
-    names = {"token_embd.weight", "output_norm.weight"} | (set() if tied else {"output.weight"})
-    per_layer = set(LAYER_TENSORS.values()) | {POST_ATTENTION_NORM[arch], Q_TENSOR}
-    names |= {f"blk.{i}.{n}" for i in range(n_layers) for n in per_layer}
-    names |= {f"blk.{n_layers + k}.{n}" for k in range(identity) for n in IDENTITY_TENSORS}
-    return names
-
-
-def expected_tensor_shapes(arch: str, n_layers: int, identity: int, hp: dict) -> dict[str, tuple]:
-    """Tensor name -> PyTorch-order shape ([out, in]) that the header's hyperparameters imply (`hp`: vocab, dim,
-    heads, kv_heads, head_dim, ffn, and ssm_* for the identity layers): what the exporter writes, so a reader can
-    refuse a file whose tensors disagree with its header before llama.cpp sees it."""
-    V, D, H, KV, hd, F = (hp[k] for k in ("vocab", "dim", "heads", "kv_heads", "head_dim", "ffn"))
-    shapes = {"token_embd.weight": (V, D), "output_norm.weight": (D,), "output.weight": (V, D)}
-    q_rows = 2 * H * hd if arch == "qwen35" else H * hd
-    per_layer = {"attn_norm.weight": (D,), "attn_k.weight": (KV * hd, D), "attn_v.weight": (KV * hd, D),
-                 "attn_output.weight": (D, H * hd), "attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,),
-                 POST_ATTENTION_NORM[arch]: (D,), "ffn_gate.weight": (F, D), "ffn_up.weight": (F, D),
-                 "ffn_down.weight": (D, F), Q_TENSOR: (q_rows, D)}
-    shapes |= {f"blk.{i}.{n}": sh for i in range(n_layers) for n, sh in per_layer.items()}
-    for k in range(identity):
-        shape = IdentityLayerShape(hp["ssm_state"], hp["ssm_inner"], hp["ssm_heads"], hp["ssm_groups"], hp["ssm_conv"])
-        cfg = ModelConfig(vocab_size=V, dim=D, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=2, ffn_dim=F,
-                          bos_id=0, eos_id=0, pad_id=0)
-        with torch.device("meta"):
-            shapes |= {n: tuple(t.shape) for n, t in identity_recurrent_layer(cfg, shape, n_layers + k).items()}
-    return shapes
-
-
-# names (under blk.{L}.) of the identity recurrent layer's tensors, in the order they are written
-IDENTITY_TENSORS = ("attn_norm.weight", "post_attention_norm.weight", "attn_qkv.weight", "attn_gate.weight",
-                    "ssm_conv1d.weight", "ssm_beta.weight", "ssm_alpha.weight", "ssm_dt.bias", "ssm_a",
-                    "ssm_norm.weight", "ssm_out.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
-
-
 # --- writer ----------------------------------------------------------------------------------------
 
 def _to_type(t: torch.Tensor, outtype: str, name: str):
     """Matrices take the out type; 1-D tensors (norms, biases) and conv weights stay F32 as llama.cpp expects."""
-    import gguf
     a = t.numpy().astype(np.float32)
     if a.ndim == 1 or outtype == "f32" or name.endswith("ssm_conv1d.weight"):  # llama.cpp's conv op takes F32 only
         return a, None
@@ -257,7 +146,6 @@ def export_gguf(model: Model, tokenizer: Tokenizer | None, out: str | Path, outt
     identity_layers: how many identity recurrent layers a gated (qwen35) file gets. 1 is the workaround;
     0 reproduces llama.cpp's abort (tests use it to show the runner survives it); 2 lets the benchmark
     measure what one of them costs."""
-    import gguf
 
     cfg, out = model.cfg, Path(out)
     if outtype not in OUTTYPES:
@@ -334,10 +222,6 @@ def export_gguf(model: Model, tokenizer: Tokenizer | None, out: str | Path, outt
 def export_checkpoint(model_path: str | Path, out: str | Path, outtype: str = "f32",
                       identity_shape: IdentityLayerShape | None = None, identity_layers: int = 1) -> dict:
     """`quantgate export gguf`: load any layout the loader reads and write the GGUF. Returns a summary."""
-    from quantgate.checkpoint import load_checkpoint
-    from quantgate.gguf_file import inspect_gguf
-
-    from quantgate.fsio import check_output
     if artifact_kind(model_path) == "gguf":
         raise QuantgateError(f"{model_path} is already a GGUF; quantize it with `quantgate quantize FILE.gguf --type ...`")
     check_output(out, "gguf", (model_path,))

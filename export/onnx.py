@@ -22,18 +22,20 @@ import torch.nn as nn
 
 from quantgate import __version__
 from quantgate.errors import QuantgateError
+from quantgate.formats import load_checkpoint
+from quantgate.formats.hf import config_to_hf
+from quantgate.formats.onnx_io import io_names
 from quantgate.fsio import atomic_dir, check_output
+from quantgate.layouts import DEFAULT_LAYOUT_FOR_GATE, LAYOUTS
 from quantgate.model import Model
+
+from .onnx_gqa import build_gqa_graph
+
+# io_names (the I/O spec) lives in quantgate.formats.onnx_io; importable from here for one release
 
 OPSETS = (23, 18)
 DTYPES = ("fp32", "fp16")
 GRAPHS = ("standard", "gqa")
-
-
-def io_names(n_layers: int) -> tuple[list[str], list[str]]:
-    past = [f"past_key_values.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
-    present = [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
-    return ["input_ids", "attention_mask", "position_ids", *past], ["logits", *present]
 
 
 class DecoderWithPast(nn.Module):
@@ -67,7 +69,6 @@ def trace_to_onnx(model: Model, path: Path, opset: int = 23, dtype: str = "fp32"
     from torch.export import Dim
 
     if graph_form == "gqa":
-        from .onnx_gqa import build_gqa_graph
         graph = build_gqa_graph(model)
         onnx.checker.check_model(graph)
         _save(graph, path, dtype)
@@ -168,9 +169,6 @@ def _own_norm_weights(model) -> None:
 def export_onnx(model: Model, tokenizer, out_dir: str | Path, opset: int = 23, graph: str = "standard",
                 dtype: str = "fp32", layout: str | None = None, source: str = "", inputs: tuple = ()) -> Path:
     """Write `out_dir` (atomically): model.onnx, config.json, tokenizer, generation_config.json, quantgate.json."""
-    from quantgate.checkpoint import config_to_hf
-    from quantgate.layouts import DEFAULT_LAYOUT_FOR_GATE, LAYOUTS
-
     cfg = model.cfg
     if opset not in OPSETS:
         raise QuantgateError(f"unsupported --opset {opset}; choose from {', '.join(map(str, OPSETS))}")
@@ -209,9 +207,6 @@ def export_onnx(model: Model, tokenizer, out_dir: str | Path, opset: int = 23, g
 def export_checkpoint(model_path: str | Path, out_dir: str | Path, opset: int = 23, graph: str = "standard",
                       dtype: str = "fp32") -> dict:
     """`quantgate export onnx`: load any layout the loader reads (or a GGUF) and write the ONNX directory."""
-    from quantgate.checkpoint import load_checkpoint
-    from quantgate.fsio import check_output
-
     check_output(out_dir, "onnx", (model_path,))
     loaded = load_checkpoint(model_path)
     export_onnx(loaded.model, loaded.tokenizer, out_dir, opset, graph, dtype, layout=loaded.layout,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from quantgate.formats.onnx_io import io_names
 from quantgate.model import Model
 
 OPSET = 23  # RMSNormalization is a standard op from 23; GroupQueryAttention lives in com.microsoft
@@ -20,8 +21,6 @@ OPSET = 23  # RMSNormalization is a standard op from 23; GroupQueryAttention liv
 
 def build_gqa_graph(model: Model):
     from onnx import TensorProto, helper, numpy_helper
-
-    from .onnx import io_names
 
     cfg = model.cfg
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .calib_data import load_corpus, sample_windows, tokenize_corpus
-from .checkpoint import load_checkpoint
+from .calib_data import check_ctx, data_paths, default_split, load_corpus, sample_windows, tokenize_corpus
 from .errors import QuantgateError
-from .evaluate import default_split
+from .formats import load_checkpoint
 from .fsio import atomic_file, check_output, claim_folder, write_json
+from .gate_survival import check_gate_survival
 from .outliers import analyze_model
 
 
@@ -23,7 +23,6 @@ def analyze(model_path: str, data: str = "embedded", ctx: int = 256, n_windows: 
     tok = loaded.tokenizer
     if tok is None:
         raise QuantgateError(f"{model_path}: no tokenizer.json, cannot tokenize the analysis text")
-    from .evaluate import check_ctx
     check_ctx(ctx, loaded.model.cfg.max_seq_len, model_path)
     split = default_split(data) if split == "auto" else split
     corpus = load_corpus(data).split(split)
@@ -36,7 +35,8 @@ def analyze(model_path: str, data: str = "embedded", ctx: int = 256, n_windows: 
     return rep
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
+    """A PNG written atomically (the report's plots use it too)."""
     with atomic_file(path) as f:
         fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
     return path
@@ -60,7 +60,7 @@ def plot_reports(reports: dict[str, dict], out_dir: str | Path) -> list[Path]:
     ax.set_ylabel("|h| of the residual stream after the block")
     ax.set_title("massive activations")
     ax.legend(fontsize=8)
-    paths.append(_save(fig, out_dir / "max_activation.png"))
+    paths.append(save_figure(fig, out_dir / "max_activation.png"))
     plt.close(fig)
 
     fig, axes = plt.subplots(1, len(reports), figsize=(4.5 * len(reports), 3.8), squeeze=False)
@@ -72,7 +72,7 @@ def plot_reports(reports: dict[str, dict], out_dir: str | Path) -> list[Path]:
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
         fig.colorbar(im, ax=ax)
-    paths.append(_save(fig, out_dir / "bos_attention.png"))
+    paths.append(save_figure(fig, out_dir / "bos_attention.png"))
     plt.close(fig)
 
     gated = {n: r for n, r in reports.items() if "gate_histogram" in r["layers"][0]}
@@ -87,7 +87,7 @@ def plot_reports(reports: dict[str, dict], out_dir: str | Path) -> list[Path]:
                 ax.set_yticks([])
         fig.suptitle("gate values sigmoid(X W_g)")
         fig.tight_layout()
-        paths.append(_save(fig, out_dir / "gate_histograms.png"))
+        paths.append(save_figure(fig, out_dir / "gate_histograms.png"))
         plt.close(fig)
     return paths
 
@@ -97,7 +97,6 @@ def run_analyze(model: str, data: str, ctx: int, n_windows: int, split: str, see
                 reference: str | None = None) -> dict:
     """Outlier reports (MODEL may be a .gguf: it is dequantized); with `reference`, the gate-survival check
     of MODEL's gate rows against the reference's (quantgate.gate_survival)."""
-    from .calib_data import data_paths
     inputs = (model, compare, reference, *data_paths(data))
     if json_out:
         check_output(json_out, "analysis", inputs, flag="--json")
@@ -111,7 +110,6 @@ def run_analyze(model: str, data: str, ctx: int, n_windows: int, split: str, see
         reports[name] = analyze(compare, data, ctx, n_windows, split, seed)
     result = {"reports": reports}
     if reference:
-        from .gate_survival import check_gate_survival
         result["gate_survival"] = check_gate_survival(model, reference, data, min(n_windows, 8), ctx, seed)
     if json_out:
         write_json(json_out, result, kind="analysis")

@@ -12,13 +12,18 @@ import copy
 
 import numpy as np
 
+from .calib_data import (calibration_split, check_ctx, data_paths, default_split, eval_windows, load_corpus,
+                         sample_windows, tokenize_corpus)
 from .errors import QuantgateError
 from .evaluate import compare_to_reference
+from .formats import load_checkpoint
+from .fsio import check_output, write_json
 from .model import Model
 from .progress import track
-from .quantize import quantize_
+from .quant.schemes import TorchScheme as Scheme
+from .quant.schemes import get
+from .quant.simulate import quantize_
 from .runners import TorchRunner
-from .schemes import Scheme
 
 GROUPS = {
     "qkv_gate": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.g_proj"),
@@ -68,29 +73,19 @@ def attribute_error(model: Model, scheme: Scheme, calib: np.ndarray | None, wind
 def attribute_model(model_path: str, scheme_name: str, data: str = "embedded", n_windows: int = 16,
                     n_calib: int = 16, ctx: int = 256, json_out: str | None = None) -> dict:
     """`quantgate attribute`: calibration from the valid split (embedded) and scoring on held-out text."""
-    from .calib_data import load_corpus, sample_windows, tokenize_corpus
-    from .calib_data.sources import EMBEDDED_NAMES
-    from .checkpoint import load_checkpoint
-    from .evaluate import default_split, eval_windows
-    from .fsio import write_json
-    from .schemes import get_scheme
-
-    from .calib_data import data_paths
-    from .fsio import check_output
-    scheme = get_scheme(scheme_name)
+    scheme = get("torch", scheme_name, "scheme")
     if json_out:
         check_output(json_out, "attribution", (model_path, *data_paths(data)), flag="--json")
     loaded = load_checkpoint(model_path)
     if loaded.tokenizer is None:
         raise QuantgateError(f"{model_path}: no tokenizer.json, cannot tokenize the text")
-    from .evaluate import check_ctx
     check_ctx(ctx, loaded.model.cfg.max_seq_len, model_path)
     corpus = load_corpus(data)
     test = corpus.split(default_split(data))
     windows = eval_windows(tokenize_corpus(test, loaded.tokenizer).ids, ctx, loaded.tokenizer.bos_id, n_windows)
     calib = None
     if scheme.needs_calibration:
-        cal_split = corpus.split("valid" if data in EMBEDDED_NAMES else "all")
+        cal_split = corpus.split(calibration_split(data))
         calib = sample_windows(tokenize_corpus(cal_split, loaded.tokenizer), n_calib, ctx, seed=0)
     rep = {"model": str(model_path), **attribute_error(loaded.model, scheme, calib, windows)}
     if json_out:

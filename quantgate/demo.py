@@ -20,7 +20,9 @@ from .analyze import run_analyze
 from .errors import QuantgateError
 from .evaluate import evaluate_model
 from .fsio import check_output, claim_folder, read_marker, signals_held, write_json
+from .generate import generate
 from .progress import console
+from .report import ReportSettings, run_report
 from .train import TrainConfig, train, trajectory
 
 DEMO_RECIPES = {
@@ -154,7 +156,6 @@ def run_demo(out: str | Path, fast: bool = False, gate: str = "elementwise", thr
                       f"(uniform {rep['uniform_bos_share']:.3f})")
     console.print(f"analyze: {stages['analyze_s']:.0f} s, plots in {out / 'plots'}")
     t = time.time()
-    from .report import ReportSettings, run_report
     note = RECIPE_NOTES["fast" if fast else "full"]
     rep = run_report(ReportSettings(str(models["baseline"]), str(models["gated"]), str(out / "report"),
                                     schemes={k: list(v) for k, v in DEMO_SCHEMES.items()},
@@ -169,7 +170,6 @@ def run_demo(out: str | Path, fast: bool = False, gate: str = "elementwise", thr
     gguf = Path(rep["cells"].get("gguf/gated/Q4_K_M", {}).get("artifact", ""))
     sample = None
     if gguf.is_file():
-        from .generate import generate
         console.print(f"[bold]generate[/] from {gguf.name}:")
         res = generate(str(gguf), "def ", max_tokens=48, threads=threads,
                        on_text=lambda piece: console.out(piece, end="", highlight=False))

@@ -16,11 +16,24 @@ from pathlib import Path
 
 import numpy as np
 
+from .calib_data import check_ctx, default_split, eval_windows, load_corpus, tokenize_corpus
 from .errors import QuantgateError
-from .formats import artifact_kind
+from .formats import artifact_kind, load_checkpoint
+from .formats.gguf import check_finite_weights, inspect_gguf, open_reader, tokenizer_from_gguf
+from .formats.onnx import check_finite_initializers, onnx_context
+from .formats.onnx_io import read_meta, resolve_onnx
 from .fsio import atomic_file
+from .identity import code_id, content_id, key
+from .metrics import layer_sqnr, position_kld, token_nll
 from .progress import track
-from .runners import Runner, TorchRunner
+from .runners import LlamaRunner, OrtRunner, Runner, TorchRunner
+from .tokenizer import load_tokenizer
+from .torchao_backend import quantize_torchao_
+
+# eval_windows, default_split and check_ctx (the split and window policy) live in quantgate.calib_data and
+# token_nll in quantgate.metrics; re-exported here for one release
+__all__ = ["PerplexityResult", "compare_to_reference", "evaluate_model", "open_model", "perplexity",
+           "reference_logits", "check_ctx", "default_split", "eval_windows", "token_nll"]
 
 
 @dataclass
@@ -33,29 +46,6 @@ class PerplexityResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def eval_windows(ids: np.ndarray, ctx: int, bos_id: int, max_windows: int | None = None) -> np.ndarray:
-    """[N, ctx] int64: BOS + ctx-1 consecutive tokens per row, tail dropped."""
-    if ctx < 2:
-        raise QuantgateError(f"--ctx must be at least 2, got {ctx}")
-    span = ctx - 1
-    n = len(ids) // span
-    if max_windows is not None:
-        n = min(n, max_windows)
-    if n == 0:
-        raise QuantgateError(f"the evaluation text has {len(ids)} tokens, too short for one window of {ctx}")
-    body = np.asarray(ids[: n * span], dtype=np.int64).reshape(n, span)
-    return np.concatenate([np.full((n, 1), bos_id, dtype=np.int64), body], axis=1)
-
-
-def token_nll(logits: np.ndarray, windows: np.ndarray) -> np.ndarray:
-    """Per-token NLL [B, T-1] of windows[:, 1:] under logits[:, :-1], in float64 for a stable sum."""
-    lg = logits[:, :-1].astype(np.float64)
-    m = lg.max(axis=-1, keepdims=True)
-    lse = (m[..., 0] + np.log(np.exp(lg - m).sum(axis=-1)))
-    target = np.take_along_axis(lg, windows[:, 1:, None], axis=-1)[..., 0]
-    return lse - target
 
 
 def perplexity(runner: Runner, windows: np.ndarray, batch: int = 4) -> PerplexityResult:
@@ -72,12 +62,6 @@ def perplexity(runner: Runner, windows: np.ndarray, batch: int = 4) -> Perplexit
                             ctx=windows.shape[1])
 
 
-def default_split(data: str) -> str:
-    """The embedded corpus is evaluated on its held-out test split; a user's file is evaluated whole."""
-    from .calib_data.sources import EMBEDDED_NAMES
-    return "test" if str(data) in EMBEDDED_NAMES else "all"
-
-
 SQNR_WINDOWS = 4  # windows used for the per-layer SQNR of a quantized model
 
 
@@ -92,8 +76,6 @@ def cache_dir() -> Path:
 def reference_logits(ref_path: str, windows: np.ndarray, data_key: str) -> np.ndarray:
     """fp32 PyTorch logits of the reference on these windows, computed once and cached on disk under a key of
     the reference's contents, the windows' tokens and the code (quantgate.identity)."""
-    from .checkpoint import load_checkpoint
-    from .identity import code_id, content_id, key
     k = key("ref-logits", content_id(ref_path), code_id(), data_key, list(windows.shape),
             hashlib.sha256(windows.tobytes()).hexdigest())
     path = cache_dir() / f"ref-logits-{k}.npy"
@@ -115,13 +97,6 @@ def check_finite(logits: np.ndarray, who: str) -> None:
         raise QuantgateError(f"{who} produced NaN or Inf logits: its weights or activations are not finite")
 
 
-def check_ctx(ctx: int, context: int, model_path) -> None:
-    """One rule on every backend: a window longer than the model's own context is refused, not extrapolated."""
-    if ctx > context:
-        raise QuantgateError(f"--ctx {ctx} is longer than {model_path}'s context of {context} tokens "
-                             f"(its max_position_embeddings / context_length); use --ctx {context} or less")
-
-
 def tokenizers_match(a, b, sample: str) -> bool:
     """Same ids for the same text and the same token strings: what makes two models' logits comparable."""
     if a.tok.to_str() == b.tok.to_str():
@@ -138,8 +113,6 @@ def open_model(model_path: str, device: str = "cpu", torchao: str | None = None,
     ONNX export (ONNX Runtime). Windows of `ctx` tokens must fit the model's context; weights must be finite."""
     kind = artifact_kind(model_path)
     if kind == "gguf":
-        from .gguf_file import check_finite_weights, inspect_gguf, open_reader, tokenizer_from_gguf
-        from .llama_runner import LlamaRunner
         if torchao:
             raise QuantgateError("--torchao applies to PyTorch model directories, not GGUF files")
         check_ctx(ctx, inspect_gguf(model_path).context_length, model_path)
@@ -148,9 +121,6 @@ def open_model(model_path: str, device: str = "cpu", torchao: str | None = None,
         runner = LlamaRunner(model_path, n_ctx=ctx, kv_type=kv_type, threads=threads, device=device)
         return runner, tok, f"llama.cpp:{runner.info.file_type}", {"kv_type": kv_type, "gguf_bytes": runner.info.n_bytes}
     if kind == "onnx":
-        from .onnx_weights import check_finite_initializers, onnx_context
-        from .ort_runner import OrtRunner, read_meta, resolve_onnx
-        from .tokenizer import load_tokenizer
         if torchao:
             raise QuantgateError("--torchao applies to PyTorch model directories, not ONNX exports")
         onnx_path, model_dir = resolve_onnx(model_path)
@@ -164,14 +134,12 @@ def open_model(model_path: str, device: str = "cpu", torchao: str | None = None,
                                  f"only {runner.vocab_size} (tokenizer/vocab mismatch)")
         scheme = (meta.get("quantization") or {}).get("scheme") or meta.get("dtype", "fp32")
         return runner, tok, f"onnxruntime:{scheme}", {"onnx_bytes": runner.path.stat().st_size}
-    from .checkpoint import load_checkpoint
     loaded = load_checkpoint(model_path)
     if loaded.tokenizer is None:
         raise QuantgateError(f"{model_path}: no tokenizer.json, cannot tokenize evaluation text")
     check_ctx(ctx, loaded.model.cfg.max_seq_len, model_path)
     model, backend = loaded.model, "torch"
     if torchao:
-        from .torchao_backend import quantize_torchao_
         model, backend = quantize_torchao_(model, torchao, device), f"torchao:{torchao}"
     return TorchRunner(model, device), loaded.tokenizer, backend, {"loaded": loaded}
 
@@ -182,9 +150,6 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
     """Perplexity of a model directory, GGUF file or ONNX export on a text source; with `reference`, also KL
     divergence and top-1 agreement against the reference's fp32 PyTorch logits on the same windows, and the
     perplexity delta."""
-    from .calib_data import load_corpus, tokenize_corpus
-    from .checkpoint import load_checkpoint
-
     split = default_split(data) if split == "auto" else split
     corpus = load_corpus(data).split(split)
     if not corpus.documents:
@@ -214,7 +179,6 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
     loaded = extra.get("loaded")
     scheme = loaded.model.cfg.extra.get("quant_scheme") if loaded else None
     if scheme and not torchao and scheme.get("smooth_alpha") is None:
-        from .metrics import layer_sqnr
         result["layer_sqnr_db"] = layer_sqnr(ref.model, loaded.model, windows[:SQNR_WINDOWS])
     elif scheme:  # SmoothQuant rescaled the layer inputs: the float reference's inputs no longer match
         result["layer_sqnr_db"] = None
@@ -224,7 +188,6 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
 def compare_to_reference(runner: Runner, ref_logits: np.ndarray, windows: np.ndarray, batch: int = 4) -> dict:
     """Perplexity of `runner` and of the reference logits on the same windows, with per-position KL
     divergence KL(P_ref || P_runner) (mean, p99, max) and top-1 agreement."""
-    from .metrics import position_kld
     nll, ref_nll, kld, top1 = [], [], [], []
     for i in track(range(0, len(windows), batch), f"eval {runner.name} vs reference",
                    total=-(-len(windows) // batch)):

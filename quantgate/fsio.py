@@ -26,6 +26,7 @@ import threading
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from . import __version__
 from .errors import DiskFull, QuantgateError
 
 MARKER = "quantgate.json"
@@ -305,7 +306,6 @@ def claim_folder(path: Path | str, kind: str) -> Path:
     _make_parents(path / MARKER)
     mark = path / MARKER
     if not mark.is_file() or (read_marker(path) or {}).get("artifact") != kind:
-        from . import __version__
         with atomic_file(mark, "w") as f:
             json.dump({"artifact": kind, "quantgate_version": __version__}, f, indent=2)
             f.write("\n")
@@ -428,7 +428,6 @@ def atomic_file(path: Path | str, mode: str = "wb", kind: str | None = None) -> 
 def _write_marker(folder: Path, kind: str) -> None:
     """Mark a finished artifact folder: its kind and every file it holds (merged into a quantgate.json the
     writer wrote itself, e.g. an ONNX export's metadata)."""
-    from . import __version__
     f = folder / MARKER
     meta = json.loads(f.read_text()) if f.is_file() else {"quantgate_version": __version__}
     meta["artifact"] = kind

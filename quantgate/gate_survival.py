@@ -12,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .calib_data import calibration_windows, check_ctx
 from .errors import QuantgateError
+from .formats import load_checkpoint
 
 
 def _gate_inputs(model, windows: np.ndarray) -> dict[int, torch.Tensor]:
@@ -74,14 +76,11 @@ def gate_survival(artifact_model, reference_model, windows: np.ndarray) -> dict:
 def check_gate_survival(artifact: str, reference: str, data: str = "embedded", n_windows: int = 8, ctx: int = 256,
                         seed: int = 0) -> dict:
     """`quantgate analyze ARTIFACT --reference MODEL`: load both, draw calibration windows, compare."""
-    from .checkpoint import load_checkpoint
-    from .quantize import calibration_windows
 
     ref = load_checkpoint(reference)
     art = load_checkpoint(artifact)
     if ref.tokenizer is None:
         raise QuantgateError(f"{reference}: no tokenizer.json, cannot tokenize calibration text")
-    from .evaluate import check_ctx
     check_ctx(ctx, ref.model.cfg.max_seq_len, reference)
     windows = calibration_windows(ref.tokenizer, data, n_windows, ctx, seed)
     rep = gate_survival(art.model, ref.model, windows)

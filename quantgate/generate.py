@@ -16,7 +16,12 @@ from typing import Callable, Iterator
 import torch
 
 from .errors import QuantgateError
-from .formats import artifact_kind
+from .formats import artifact_kind, load_checkpoint
+from .formats.gguf import check_finite_weights, inspect_gguf, open_reader, tokenizer_from_gguf
+from .formats.onnx import check_finite_initializers, onnx_context
+from .formats.onnx_io import read_meta, resolve_onnx
+from .runners import LlamaRunner, OrtRunner
+from .tokenizer import load_tokenizer
 
 
 @dataclass
@@ -100,8 +105,6 @@ def generate(model_path: str, prompt: str, max_tokens: int = 64, temperature: fl
 
     kind = artifact_kind(model_path)
     if kind == "gguf":
-        from .gguf_file import check_finite_weights, inspect_gguf, open_reader, tokenizer_from_gguf
-        from .llama_runner import LlamaRunner
         context = inspect_gguf(model_path).context_length
         check_finite_weights(model_path)
         tok = tokenizer_from_gguf(open_reader(model_path))
@@ -118,9 +121,6 @@ def generate(model_path: str, prompt: str, max_tokens: int = 64, temperature: fl
                               context, budget < max_tokens and st.generated_tokens == budget)
 
     if kind == "onnx":
-        from .onnx_weights import check_finite_initializers, onnx_context
-        from .ort_runner import OrtRunner, read_meta, resolve_onnx
-        from .tokenizer import load_tokenizer
         onnx_path, model_dir = resolve_onnx(model_path)
         meta = read_meta(model_dir)
         context = onnx_context(model_dir)
@@ -140,7 +140,6 @@ def generate(model_path: str, prompt: str, max_tokens: int = 64, temperature: fl
                               (n - 1) / dec_s if n > 1 and dec_s > 0 else float("nan"), f"onnxruntime:{scheme}",
                               context, budget < max_tokens and n == budget)
 
-    from .checkpoint import load_checkpoint
     loaded = load_checkpoint(model_path)
     tok = loaded.tokenizer
     if tok is None:

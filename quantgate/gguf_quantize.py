@@ -22,9 +22,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .calib_data import calibration_windows, check_ctx, data_paths
 from .errors import DiskFull, QuantgateError
+from .formats import load_checkpoint
+from .formats.gguf import inspect_gguf
+from .formats.gguf_layout import LINEAR_TO_GGUF
 from .fsio import atomic_path, check_output
-from .gguf_file import inspect_gguf
 from .quant.schemes import GGUF_FILE_TYPES, NEEDS_IMATRIX, ggml_type, llama_file_type, with_gate_bits
 
 # llama.cpp file types that `quantgate quantize` offers -> enum llama_ftype (gguf-py's LlamaFileType)
@@ -37,7 +40,6 @@ GATE_PATTERN = r"attn_q\.weight"
 
 def importance_matrix(model, windows: np.ndarray, batch: int = 4) -> dict[str, np.ndarray]:
     """GGUF tensor name -> mean of x^2 per input column of that tensor's input, over every token."""
-    from quantgate.export.gguf import LINEAR_TO_GGUF
 
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
@@ -90,14 +92,10 @@ def quantize_gguf(src: str | Path, out: str | Path, qtype: str, imatrix: str | N
         raise QuantgateError(f"{src} is already quantized ({info.file_type}); quantize the F32/F16 export instead")
     if gate_bits and info.arch != "qwen35":
         raise QuantgateError(f"{src} has no attention gate (arch {info.arch}): --gate-bits applies to gated models")
-    from .calib_data import data_paths
     check_output(out, "gguf", (src, *data_paths(calib_data if imatrix else None)))
 
     im = None
     if imatrix == "auto":
-        from .checkpoint import load_checkpoint
-        from .quantize import calibration_windows
-        from .evaluate import check_ctx
         loaded = load_checkpoint(src)
         check_ctx(ctx, loaded.model.cfg.max_seq_len, src)
         windows = calibration_windows(loaded.tokenizer, calib_data, calib_windows, ctx, seed)

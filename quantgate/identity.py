@@ -11,6 +11,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from .calib_data import load_corpus
+
 CHUNK = 1 << 20
 
 
@@ -46,11 +48,9 @@ def code_id() -> str:
     import importlib.metadata as md
 
     h = hashlib.sha256()
-    for pkg in ("quantgate", "quantgate.quant", "quantgate.formats", "quantgate.export", "quantgate.calib_data"):
-        mod = importlib.import_module(pkg)
-        for d in mod.__path__:
-            for f in sorted(Path(d).glob("*.py")):
-                h.update(f"{pkg}/{f.name}\0".encode() + f.read_bytes() + b"\0")
+    for d in importlib.import_module("quantgate").__path__:  # every subpackage lies under it once installed
+        for f in sorted(Path(d).rglob("*.py")):
+            h.update(f"{f.relative_to(d).as_posix()}\0".encode() + f.read_bytes() + b"\0")
     versions = {}
     for dist in ("torch", "numpy", "onnx", "onnxruntime", "llama_cpp_python", "gguf", "tokenizers", "safetensors"):
         try:
@@ -68,5 +68,4 @@ def key(*parts) -> str:
 
 def data_id(spec: str) -> str:
     """Content fingerprint of a `--data` source (the corpus fingerprint: document names and texts)."""
-    from .calib_data import load_corpus
     return load_corpus(spec).fingerprint

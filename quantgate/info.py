@@ -1,8 +1,8 @@
 """`quantgate info`: what a model directory holds, without running it."""
 from __future__ import annotations
 
-from .checkpoint import load_checkpoint
-from .formats import artifact_kind
+from .formats import artifact_kind, inspect_gguf, load_checkpoint
+from .quant.simulate import block_bits_per_weight
 
 
 def model_info(path: str) -> dict:
@@ -10,12 +10,15 @@ def model_info(path: str) -> dict:
     cfg = loaded.model.cfg
     gguf = {}
     if artifact_kind(path) == "gguf":
-        from .gguf_file import inspect_gguf
         g = inspect_gguf(path)
         gguf = {"gguf": {"arch": g.arch, "file_type": g.file_type, "bytes": g.n_bytes,
                          "bits_per_weight": round(g.bits_per_weight, 3), "exported_gate": g.gate,
                          "source_layout": g.source_layout, "identity_layers": g.n_blocks - g.n_layers}}
-    return {**gguf,
+    quant = {}
+    if "quant_scheme" in cfg.extra:  # a quantgate-quantized checkpoint: the bits its Linears stored
+        quant = {"quantization": {"scheme": cfg.extra["quant_scheme"].get("name"),
+                                  "block_bits_per_weight": block_bits_per_weight(loaded.model)}}
+    return {**gguf, **quant,
         "path": str(path), "layout": loaded.layout, "gate": cfg.gate,
         "params": loaded.model.num_params(),
         "dims": {"vocab": cfg.vocab_size, "dim": cfg.dim, "layers": cfg.n_layers, "heads": cfg.n_heads,

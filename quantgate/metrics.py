@@ -1,17 +1,28 @@
-"""Distances between a model's logits and a reference's, per position (DESIGN section 1).
-
-KL(P_ref || P_test) and top-1 agreement, the quantities llama.cpp's --kl-divergence reports.
+"""Scores of logits, per position (DESIGN section 1): token NLL, KL(P_ref || P_test) and top-1 agreement (the
+quantities llama.cpp's --kl-divergence reports), and per-layer SQNR of a quantized model against its float twin.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from .qlinear import QuantLinear
+from .quant.simulate import block_linears
+
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     m = x.max(axis=-1, keepdims=True)
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def token_nll(logits: np.ndarray, windows: np.ndarray) -> np.ndarray:
+    """Per-token NLL [B, T-1] of windows[:, 1:] under logits[:, :-1], in float64 for a stable sum."""
+    lg = logits[:, :-1].astype(np.float64)
+    m = lg.max(axis=-1, keepdims=True)
+    lse = (m[..., 0] + np.log(np.exp(lg - m).sum(axis=-1)))
+    target = np.take_along_axis(lg, windows[:, 1:, None], axis=-1)[..., 0]
+    return lse - target
 
 
 def position_kld(ref_logits: np.ndarray, test_logits: np.ndarray) -> np.ndarray:
@@ -47,8 +58,6 @@ def layer_sqnr(fp_model, q_model, windows: np.ndarray, batch: int = 4) -> dict:
     token (over channels) and averaged in dB: a single massive token would otherwise dominate the energy
     ratio and hide that every other token was rounded away. Untouched values report None (no error).
     """
-    from .qlinear import QuantLinear
-    from .quantize import block_linears
     device = next(q_model.parameters()).device  # both models on the quantized model's device (it may be CUDA)
     fp_model = fp_model.to(device)
     fp_lin, q_lin = block_linears(fp_model), block_linears(q_model)

@@ -22,10 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
+from .calib_data import calibration_windows, check_ctx, data_paths
 from .errors import QuantgateError
+from .formats.onnx import onnx_context
+from .formats.onnx_io import check_graph, read_meta, resolve_onnx
 from .fsio import atomic_dir, check_output
-from .ort_runner import OrtRunner, check_graph, read_meta, resolve_onnx
 from .quant.schemes import ONNX_SCHEMES, with_gate_bits
+from .runners import OrtRunner
+from .tokenizer import load_tokenizer
 
 # the registry's ONNX recipes this function runs (fp32 is the export itself; +gate8 is `gate_bits=8`)
 SCHEMES = tuple(s.name for s in ONNX_SCHEMES if s.tool != "export" and s.keep is None)
@@ -87,15 +91,10 @@ def quantize_onnx(src: str | Path, out_dir: str | Path, scheme: str, gate_bits: 
     if gate_bits and not gates:
         raise QuantgateError(f"{path} has no fused q|gate projection: --gate-bits applies to gated models")
     out_dir = Path(out_dir)
-    from .calib_data import data_paths
     check_output(out_dir, "onnx", (model_dir, *data_paths(calib_data if scheme == "int8-static" else None)))
 
     windows = None
     if scheme == "int8-static":
-        from .evaluate import check_ctx
-        from .onnx_weights import onnx_context
-        from .quantize import calibration_windows
-        from .tokenizer import load_tokenizer
         check_ctx(ctx, onnx_context(model_dir), src)
         tok = load_tokenizer(model_dir, meta.get("bos_id"), meta.get("eos_id"))
         windows = calibration_windows(tok, calib_data, calib_windows, ctx, seed)
@@ -120,8 +119,7 @@ def quantize_onnx(src: str | Path, out_dir: str | Path, scheme: str, gate_bits: 
 def _run(path: Path, out_dir: Path, scheme: str, gate_bits, block_size: int, gates: list[str], windows, model_dir: Path,
          meta: dict) -> None:
     import onnx
-    from onnxruntime.quantization import (CalibrationMethod, QuantFormat, QuantType, quantize_dynamic,
-                                          quantize_static)
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     with atomic_dir(out_dir, "onnx") as tmp, tempfile.TemporaryDirectory() as work:
         dst = tmp / "model.onnx"

@@ -1,232 +1,28 @@
-"""`quantize_(model, scheme, calib_windows)`: apply a Scheme to a model in place (PyTorch backend).
+"""`quantgate quantize --backend torch`: load a model, calibrate on held-out text, quantize it, save it.
 
-Static schemes first run the calibration windows through the float model and record, per Linear,
-the range of its input (min-max, or percentiles of a bounded sample); sink-aware schemes leave
-position 0 (BOS) out of that range and out of quantization.
+The simulation itself (QuantLinear swaps, calibration, saved-scheme reload) lives in `quantgate.quant.simulate`;
+its names are re-exported here for one release (`quantgate.quantize.quantize_`, `block_linears`, ...).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
-
-import numpy as np
-import torch
-import torch.nn as nn
-
+from .calib_data import calibration_windows, check_ctx, data_paths
 from .errors import QuantgateError
-from .gptq import gptq_quantize, input_hessian
-from .model import Model
-from .progress import track
-from .qlinear import ActRange, QuantLinear, quantize_weight
-from .schemes import Scheme
-from .smoothquant import smooth_
+from .formats import load_checkpoint, save_checkpoint
+from .fsio import check_output
+from .layouts import DEFAULT_LAYOUT_FOR_GATE
+from .quant.schemes import TorchScheme, get
+from .quant.simulate import (Calibration, apply_saved_quantization, block_bits_per_weight, block_linears, calibrate,
+                             quantize_, saved_quantization)
 
-PERCENTILE_SAMPLE = 1 << 18  # input values kept per Linear and batch for percentile ranges
-
-
-def block_linears(model: Model) -> dict[str, nn.Linear]:
-    """The Linears a scheme quantizes: every projection inside the decoder blocks."""
-    return {f"layers.{name}": m for name, m in model.layers.named_modules() if isinstance(m, (nn.Linear, QuantLinear))}
+__all__ = ["quantize_checkpoint", "Calibration", "apply_saved_quantization", "block_bits_per_weight",
+           "block_linears", "calibrate", "calibration_windows", "quantize_", "saved_quantization"]
 
 
-@dataclass
-class Calibration:
-    ranges: dict[str, ActRange] = field(default_factory=dict)     # static activation ranges
-    hessians: dict[str, torch.Tensor] = field(default_factory=dict)  # sum x^T x per Linear (GPTQ)
-
-
-@torch.inference_mode()
-def calibrate(model: Model, windows: np.ndarray, scheme: Scheme, batch: int = 4) -> Calibration:
-    """One pass of the float model over the windows, recording what the scheme needs per Linear.
-
-    GPTQ Hessians come from the float model's inputs in this single pass (not layer-sequentially from
-    already-quantized layers), which keeps calibration one forward per batch.
-    """
-    if windows is None or len(windows) == 0:
-        raise QuantgateError(f"scheme {scheme.name} needs calibration windows, and none were given")
-    linears = block_linears(model)
-    lo = {n: float("inf") for n in linears}
-    hi = {n: float("-inf") for n in linears}
-    samples: dict[str, list] = {n: [] for n in linears}
-    hessians: dict[str, torch.Tensor] = {}
-    gen = torch.Generator().manual_seed(0)
-
-    def hook_for(name):
-        def hook(_m, args):
-            x = args[0]
-            if scheme.method == "gptq":
-                h = input_hessian(x.detach())
-                hessians[name] = h if name not in hessians else hessians[name] + h
-            if scheme.act != "static":
-                return
-            if scheme.sink_aware:
-                x = x[:, 1:]
-            x = x.detach().float().reshape(-1)
-            if scheme.calib == "percentile":
-                idx = torch.randint(0, x.numel(), (min(x.numel(), PERCENTILE_SAMPLE),), generator=gen)
-                samples[name].append(x[idx])
-            else:
-                lo[name] = min(lo[name], float(x.min()))
-                hi[name] = max(hi[name], float(x.max()))
-        return hook
-
-    hooks = [m.register_forward_pre_hook(hook_for(n)) for n, m in linears.items()]
-    try:
-        model.eval()
-        for i in track(range(0, len(windows), batch), "calibrate", total=-(-len(windows) // batch)):
-            model(torch.as_tensor(windows[i:i + batch]))
-    finally:
-        for h in hooks:
-            h.remove()
-    cal = Calibration(hessians=hessians)
-    if scheme.act == "static" and scheme.calib == "percentile":
-        q = torch.tensor([(100 - scheme.percentile) / 100, scheme.percentile / 100])
-        for n, s in samples.items():
-            lo_hi = torch.quantile(torch.cat(s), q)
-            cal.ranges[n] = ActRange(float(lo_hi[0]), float(lo_hi[1]))
-    elif scheme.act == "static":
-        cal.ranges = {n: ActRange(lo[n], hi[n]) for n in linears}
-    return cal
-
-
-KEEP_SCOPE_LINEARS = {  # KeepAt scope -> the block Linears it names in our model (quantgate.quant.schemes.SCOPES)
-    "gate": ("self_attn.g_proj",),
-    "q_and_gate": ("self_attn.q_proj", "self_attn.g_proj"),
-}
-
-
-def _bits_for(name: str, scheme: Scheme) -> int | None:
-    keep = scheme.keep
-    if keep is not None and name.endswith(KEEP_SCOPE_LINEARS[keep.scope]):
-        return keep.bits
-    return scheme.weight_bits
-
-
-def block_bits_per_weight(model: Model) -> float:
-    """Bits per weight of the block Linears as stored: each Linear's own bits (32 where it stayed float) plus
-    one fp16 scale per group, or per row where the scheme has no groups (quantize_weight's layout)."""
-    total = bits = 0.0
-    for lin in block_linears(model).values():
-        n_out, n_in = lin.weight.shape
-        b = getattr(lin, "weight_bits", None)
-        per = 32.0 if b is None else b + 16 / (getattr(lin, "group_size", None) or n_in)
-        total, bits = total + n_out * n_in, bits + per * n_out * n_in
-    return bits / total
-
-
-def quantize_(model: Model, scheme: Scheme, calib_windows: np.ndarray | None = None,
-              only: Callable[[str], bool] | None = None) -> Model:
-    """Replace every block Linear by a QuantLinear under `scheme`. Returns the same model object.
-
-    only(name) -> bool restricts quantization to some Linears (error attribution); the rest stay float.
-    """
-    if scheme.gate_bits is not None and model.cfg.gate == "none":
-        raise QuantgateError(f"scheme {scheme.name} keeps the gate at {scheme.gate_bits} bits, "
-                             f"but this model has no attention gate")
-    if scheme.smooth_alpha is not None:
-        if calib_windows is None or len(calib_windows) == 0:
-            raise QuantgateError(f"scheme {scheme.name} needs calibration windows, and none were given")
-        smooth_(model, calib_windows, scheme.smooth_alpha)
-    cal = calibrate(model, calib_windows, scheme) if scheme.needs_calibration else Calibration()
-    for layer in model.layers:
-        layer.self_attn.kv_bits = scheme.kv_bits
-    for name, lin in block_linears(model).items():
-        if scheme.kv_only:
-            break  # a KV-cache-only scheme leaves the Linears alone
-        if only is not None and not only(name):
-            continue
-        bits = _bits_for(name, scheme)
-        w = lin.weight.detach().float()
-        if bits is not None:
-            g = scheme.group_size
-            if g is not None and w.shape[1] % g:
-                raise QuantgateError(f"{name}: group size {g} does not divide the layer's input width {w.shape[1]}")
-            if scheme.method == "gptq":
-                w = gptq_quantize(w, cal.hessians[name], bits, g)
-            else:
-                w = quantize_weight(w, bits, g)
-        q = QuantLinear(w.to(lin.weight.dtype), act=scheme.act, act_bits=scheme.act_bits, act_range=cal.ranges.get(name),
-                        symmetric=scheme.symmetric, skip_first_position=scheme.sink_aware,
-                        weight_bits=bits, group_size=scheme.group_size)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, q)
-    model.cfg.extra = {**model.cfg.extra, "quant_scheme": scheme.to_dict()}
-    return model
-
-
-# --- checkpoints that carry their scheme --------------------------------------------------------------
-# Weights are stored already rounded (dequantized, float32) in the normal layout, so stock loaders open
-# them as plain models; config.json's "quantgate" block holds the scheme and the calibrated activation
-# ranges, which `load_checkpoint` re-applies so our runners see exactly what was evaluated.
-
-def saved_quantization(model: Model) -> dict:
-    ranges = {n: [m.act_range.lo, m.act_range.hi] for n, m in model.layers.named_modules()
-              if isinstance(m, QuantLinear) and m.act_range is not None}
-    bits = {f"layers.{n}": m.weight_bits for n, m in model.layers.named_modules() if isinstance(m, QuantLinear)}
-    return {"act_ranges": {f"layers.{k}": v for k, v in ranges.items()}, "weight_bits": bits}
-
-
-def apply_saved_quantization(model: Model, extra: dict, where: str = "config.json") -> Model:
-    """Wrap the block Linears of a freshly loaded model as its config.json's scheme says (every saved value
-    checked first: the file may have been edited by hand)."""
-    scheme = Scheme.from_saved(extra["quant_scheme"], where)
-    state = extra.get("quant_state", {})
-    if not isinstance(state, dict):
-        raise QuantgateError(f"{where}: quant_state must be a JSON object")
-    ranges, bits = state.get("act_ranges", {}), state.get("weight_bits", {})
-    if not isinstance(ranges, dict) or not isinstance(bits, dict):
-        raise QuantgateError(f"{where}: quant_state.act_ranges and .weight_bits must be JSON objects")
-    linears = block_linears(model)
-    for name, r in ranges.items():
-        finite = isinstance(r, list) and len(r) == 2 and all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) for x in r)
-        if name not in linears or not (finite and r[0] <= r[1]):
-            raise QuantgateError(f"{where}: quant_state.act_ranges[{name[:60]!r}] must be [lo, hi] (finite, lo <= hi) "
-                                 f"for a Linear of this model")
-    for name, b in bits.items():
-        if name not in linears or not (b is None or (isinstance(b, int) and not isinstance(b, bool) and 2 <= b <= 16)):
-            raise QuantgateError(f"{where}: quant_state.weight_bits[{name[:60]!r}] must be 2..16 or null for a Linear "
-                                 f"of this model")
-    for layer in model.layers:
-        layer.self_attn.kv_bits = scheme.kv_bits
-    if scheme.kv_only:
-        return model
-    for name, lin in linears.items():
-        r = ranges.get(name)
-        if scheme.act == "static" and r is None:
-            raise QuantgateError(f"{where}: the {scheme.name} checkpoint has no activation range for {name}")
-        q = QuantLinear(lin.weight.detach(), act=scheme.act, act_bits=scheme.act_bits,
-                        act_range=None if r is None else ActRange(*r), symmetric=scheme.symmetric,
-                        skip_first_position=scheme.sink_aware, weight_bits=bits.get(name), group_size=scheme.group_size)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, q)
-    return model
-
-
-def calibration_windows(tokenizer, calib_data: str, n_windows: int, ctx: int, seed: int) -> np.ndarray:
-    """Seeded calibration windows: the embedded corpus's valid split (never its test split), a user's text whole."""
-    from .calib_data import load_corpus, sample_windows, tokenize_corpus
-    from .calib_data.sources import EMBEDDED_NAMES
-
-    split = "valid" if calib_data in EMBEDDED_NAMES else "all"
-    corpus = load_corpus(calib_data).split(split)
-    if not corpus.documents:
-        raise QuantgateError(f"calibration data {calib_data} is empty")
-    return sample_windows(tokenize_corpus(corpus, tokenizer), n_windows, ctx, seed)
-
-
-def quantize_checkpoint(model_path: str, scheme: str | Scheme, out: str, calib_data: str = "embedded",
+def quantize_checkpoint(model_path: str, scheme: str | TorchScheme, out: str, calib_data: str = "embedded",
                         n_windows: int = 32, ctx: int = 256, seed: int = 0) -> dict:
-    """`quantgate quantize --backend torch`: load, calibrate on held-out text, quantize, save. `scheme` is a
-    registry config or its name."""
-    from .calib_data import data_paths
-    from .checkpoint import load_checkpoint, save_checkpoint
-    from .fsio import check_output
-    from .layouts import DEFAULT_LAYOUT_FOR_GATE
-    from .schemes import get_scheme
-
+    """Load, calibrate on held-out text, quantize, save. `scheme` is a registry config or its torch name."""
     if isinstance(scheme, str):
-        scheme = get_scheme(scheme)
+        scheme = get("torch", scheme, "scheme")
     inputs = (model_path, *data_paths(calib_data if scheme.needs_calibration else None))
     check_output(out, "checkpoint", inputs)
     loaded = load_checkpoint(model_path)
@@ -236,7 +32,6 @@ def quantize_checkpoint(model_path: str, scheme: str | Scheme, out: str, calib_d
     if scheme.needs_calibration:
         if loaded.tokenizer is None:
             raise QuantgateError(f"{model_path}: no tokenizer.json, cannot tokenize calibration text")
-        from .evaluate import check_ctx
         check_ctx(ctx, loaded.model.cfg.max_seq_len, model_path)
         windows = calibration_windows(loaded.tokenizer, calib_data, n_windows, ctx, seed)
     model = quantize_(loaded.model, scheme, windows)

@@ -22,13 +22,23 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
+from .analyze import analyze, plot_reports, save_figure
+from .calib_data import check_ctx, data_paths, default_split, eval_windows, load_corpus, tokenize_corpus
 from .errors import DiskFull, QuantgateError
+from .evaluate import evaluate_model
+from .export.gguf import export_checkpoint as export_gguf
+from .export.onnx import export_checkpoint as export_onnx
+from .formats import inspect_gguf, load_checkpoint
 from .fsio import atomic_file, check_output, claim_folder, interrupts, write_json
+from .gate_survival import check_gate_survival
 from .identity import code_id, content_id
 from .identity import key as ident_key
+from .info import model_info
 from .progress import console
-from .quant import SCHEMES, SCOPES, CalibSettings, plain_of, quantize
+from .quant import SCHEMES, SCOPES, plain_of
 from .quant import get as registry_get
+from .quant.build import CalibSettings, quantize
+from .runners import LlamaRunner, OrtRunner
 
 TWINS = ("baseline", "gated")
 DEFAULT_SCHEMES = {
@@ -124,26 +134,20 @@ def _bench_torch(model, ids: list[int]) -> dict:
 
 
 def _torch_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, scheme: str) -> dict:
-    from .checkpoint import load_checkpoint
-    from .evaluate import evaluate_model
-    from .quantize import block_bits_per_weight
     src, sch = getattr(s, twin), registry_get("torch", scheme)
     k = ident_key("torch", ident.code, ident.models[twin], scheme,
                   ident.calibration(s) if sch.needs_calibration else None)
     art = arts.get(arts.root / "torch" / f"{twin}-{scheme}", k, lambda p: quantize(src, sch, p, _calib(s)))
     ev = evaluate_model(str(art), s.data, s.ctx, max_windows=s.windows, reference=src)
-    bits = block_bits_per_weight(load_checkpoint(art).model)  # from the bits the checkpoint stored per Linear
+    bits = model_info(str(art))["quantization"]["block_bits_per_weight"]  # the bits each stored Linear holds
     return {**_metrics(ev), "bits_per_weight": bits, "bytes": None, "layer_sqnr_db": ev.get("layer_sqnr_db"),
             "artifact": str(art)}
 
 
 def _onnx_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, scheme: str, ids: list[int]) -> dict:
-    from .evaluate import evaluate_model
-    from .export.onnx import export_checkpoint
-    from .ort_runner import OrtRunner
     src, sch = getattr(s, twin), registry_get("onnx", scheme)
     k32 = ident_key("onnx-fp32", ident.code, ident.models[twin])
-    art = fp32 = arts.get(arts.root / "onnx" / f"{twin}-fp32", k32, lambda p: export_checkpoint(src, p))
+    art = fp32 = arts.get(arts.root / "onnx" / f"{twin}-fp32", k32, lambda p: export_onnx(src, p))
     if sch.tool != "export":
         k = ident_key("onnx", k32, scheme, ident.calibration(s) if sch.needs_calibration else None)
         art = arts.get(arts.root / "onnx" / f"{twin}-{scheme}", k, lambda p: quantize(fp32, sch, p, _calib(s)))
@@ -156,19 +160,15 @@ def _onnx_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, s
 
 
 def _gguf_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, scheme: str, ids: list[int]) -> dict:
-    from .evaluate import evaluate_model
-    from .export.gguf import export_checkpoint
-    from .gguf_file import inspect_gguf
-    from .llama_runner import LlamaRunner
     src, root, sch = getattr(s, twin), arts.root / "gguf", registry_get("gguf", scheme)
     kv = sch.kv_type or "f32"  # kv-*: F16 weights, quantized KV cache: what a laptop would run
     scheme_file = "F16" if sch.kv_type else scheme
     if scheme_file == "F16":
         art = arts.get(root / f"{twin}-F16.gguf", ident_key("gguf-F16", ident.code, ident.models[twin]),
-                       lambda p: export_checkpoint(src, p, "f16"))
+                       lambda p: export_gguf(src, p, "f16"))
     else:
         k32 = ident_key("gguf-F32", ident.code, ident.models[twin])
-        f32 = arts.get(root / f"{twin}-F32.gguf", k32, lambda p: export_checkpoint(src, p, "f32"))
+        f32 = arts.get(root / f"{twin}-F32.gguf", k32, lambda p: export_gguf(src, p, "f32"))
         art = arts.get(root / f"{twin}-{scheme_file}.gguf", ident_key("gguf", k32, scheme_file),
                        lambda p: quantize(f32, sch, p, _calib(s), threads=s.threads))
     ev = evaluate_model(str(art), s.data, s.ctx, max_windows=s.windows, reference=src, kv_type=kv, threads=s.threads)
@@ -194,7 +194,6 @@ def _speed(b: dict) -> dict:
 
 
 def _n_params(path: str) -> int:
-    from .checkpoint import load_checkpoint
     return load_checkpoint(path).model.num_params()
 
 
@@ -202,7 +201,6 @@ def _n_params(path: str) -> int:
 
 def check_settings(s: ReportSettings) -> None:
     """Checked before any work, so a typo is one error line and not a report whose cells were all skipped."""
-    from .calib_data import data_paths
     unknown = [b for b in s.backends if b not in DEFAULT_SCHEMES]
     if unknown:
         raise QuantgateError(f"unknown backend {unknown[0]!r}; choose from {', '.join(DEFAULT_SCHEMES)}")
@@ -232,12 +230,6 @@ def _cached(path: Path, k: str, compute, label: str, timings: dict) -> dict:
 
 def run_report(s: ReportSettings) -> dict:
     """Run (or resume) every cell, then write report.json, report.md and report.html into s.out."""
-    from .analyze import analyze, plot_reports
-    from .calib_data import load_corpus, tokenize_corpus
-    from .checkpoint import load_checkpoint
-    from .evaluate import default_split, eval_windows
-    from .gate_survival import check_gate_survival
-
     check_settings(s)
     loaded = {t: load_checkpoint(getattr(s, t)) for t in TWINS}
     if loaded["baseline"].model.cfg.gate != "none" or loaded["gated"].model.cfg.gate == "none":
@@ -245,7 +237,6 @@ def run_report(s: ReportSettings) -> dict:
     tok = loaded["baseline"].tokenizer
     if tok is None or loaded["gated"].tokenizer is None:
         raise QuantgateError("both twins need a tokenizer.json")
-    from .evaluate import check_ctx
     for t in TWINS:
         context = loaded[t].model.cfg.max_seq_len
         check_ctx(s.ctx, context, getattr(s, t))
@@ -466,7 +457,6 @@ def report_plots(rep: dict, out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .analyze import _save
     paths = []
     backends = sorted({k.split("/")[0] for k in rep["cells"]})
     fig, axes = plt.subplots(1, len(backends), figsize=(4.8 * len(backends), 3.8), squeeze=False)
@@ -486,7 +476,7 @@ def report_plots(rep: dict, out_dir: Path) -> list[Path]:
         ax.set_title(backend)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    paths.append(_save(fig, out_dir / "kld_vs_bits.png"))
+    paths.append(save_figure(fig, out_dir / "kld_vs_bits.png"))
     plt.close(fig)
     if any(rep["link"].values()):
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -500,7 +490,7 @@ def report_plots(rep: dict, out_dir: Path) -> list[Path]:
         ax.set_ylabel("W8A8-static output SQNR (dB)")
         ax.set_title("larger activations, larger quantization error?")
         ax.legend(fontsize=8)
-        paths.append(_save(fig, out_dir / "sqnr_vs_infnorm.png"))
+        paths.append(save_figure(fig, out_dir / "sqnr_vs_infnorm.png"))
         plt.close(fig)
     return paths
 

@@ -14,6 +14,7 @@ import torch
 from .errors import QuantgateError
 from .model import Model
 from .quant.schemes import names
+from .runners import torch_device
 
 TORCHAO_KINDS = tuple(names("torchao"))  # the registry's torchao entries
 
@@ -23,7 +24,6 @@ def quantize_torchao_(model: Model, kind: str, device: str = "cpu", group_size: 
         raise QuantgateError(f"unknown torchao kind {kind!r}; choose from {', '.join(TORCHAO_KINDS)}")
     if kind == "int4-weight" and not str(device).startswith("cuda"):
         raise QuantgateError("torchao int4-weight needs a CUDA device (its kernels are GPU-only); use --device cuda")
-    from .runners import torch_device
     torch_device(device)
     try:
         from torchao.quantization import Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig, quantize_

@@ -22,16 +22,16 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from rich.progress import TextColumn
 
-from .calib_data import load_corpus, sample_windows, tokenize_corpus
-from .checkpoint import save_checkpoint
+from .calib_data import data_paths, load_corpus, sample_windows, tokenize_corpus
 from .errors import QuantgateError
+from .formats import save_checkpoint
 from .fsio import atomic_file, check_output, claim_folder, read_marker, write_json
 from .model import GATE_MODES, Model, build_model, make_twins, preset
 from .progress import make_progress
+from .runners import torch_device
 from .tokenizer import Tokenizer, byte_tokenizer, load_tokenizer, train_bpe
-
-from rich.progress import TextColumn
 
 
 @dataclass
@@ -92,7 +92,6 @@ def batch_for_step(stream, tc: TrainConfig, step: int) -> np.ndarray:
 
 
 def resolve_device(name: str) -> str:
-    from .runners import torch_device
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return torch_device(name)
@@ -199,7 +198,6 @@ def train(tc: TrainConfig, out: str | Path, resume: bool = False) -> dict[str, P
         raise QuantgateError(f"--resume: no training state in {state_dir}")
     if not resume and state_file.is_file():
         raise QuantgateError(f"{out} already holds a training run; pass --resume to continue it or pick another --out")
-    from .calib_data import data_paths
     inputs = data_paths(tc.data)
     check_output(out, "run", inputs, accept=("demo",))
     for role in ("baseline", "gated"):

@@ -1,4 +1,5 @@
 """Static checks of the code's structure (issue 12): decisions that must live in one place."""
+import ast
 import re
 from pathlib import Path
 
@@ -10,7 +11,7 @@ def test_one_place_decides_what_kind_of_path_it_is():
     """Only quantgate/formats tests a path's suffix for .gguf/.onnx; everything else asks artifact_kind."""
     suffix_test = re.compile(r'''["']\.(gguf|onnx)["']''')
     where = [str(p.relative_to(ROOT)) for p in SOURCES if suffix_test.search(p.read_text())]
-    assert where == ["quantgate/formats/__init__.py"], where
+    assert where == ["quantgate/formats/kind.py"], where
 
 
 def test_llama_cpp_enums_are_not_retyped():
@@ -19,3 +20,127 @@ def test_llama_cpp_enums_are_not_retyped():
     table = re.compile(r'"(Q4_K_M"\s*:\s*15|Q8_0"\s*:\s*7|[bB][fF]16"\s*:\s*32|q8_0"\s*:\s*8|q4_0"\s*:\s*2)\b')
     where = [str(p.relative_to(ROOT)) for p in SOURCES if table.search(p.read_text())]
     assert where == [], where
+
+
+# --- the import graph ------------------------------------------------------------------------------------------
+
+def _module_name(path: Path) -> str:
+    """The installed name of a source file (export/ and calib_data/ install under quantgate, cli.py as quantgate.cli)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] in ("export", "calib_data"):
+        parts.insert(0, "quantgate")
+    elif parts == ["cli"]:
+        parts = ["quantgate", "cli"]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in SOURCES}
+
+
+def _resolve(name: str) -> str | None:
+    """The project module an imported name lives in (`quantgate.formats.load_checkpoint` -> `quantgate.formats`)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str) -> list[tuple[str, bool, list[str]]]:
+    """(imported project module, at the top of the file?, names taken from it) for every import statement."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [(a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            names = [a.name for a in node.names]
+            # `from pkg import sub` imports the submodule pkg.sub when there is one
+            targets = [(f"{base}.{n}", []) for n in names if f"{base}.{n}" in MODULES] + [(base, names)]
+        else:
+            continue
+        for name, taken in targets:
+            target = _resolve(name) if name.startswith("quantgate") else None
+            if target and target != module:
+                out.append((target, node in tree.body, taken))
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    """module -> the project modules importing it runs: what it imports (anywhere in the file) and, since Python
+    runs a package's __init__ before any of its submodules, the packages above each of them."""
+    graph = {}
+    for m in MODULES:
+        edges = set()
+        for target, _top, _names in _imports(m):
+            parts = target.split(".")
+            edges |= {".".join(parts[:k]) for k in range(1, len(parts) + 1)} & MODULES.keys()
+        graph[m] = edges - {m} - {p for p in _ancestors(m)}  # a module's own packages are already running
+    return graph
+
+
+def _ancestors(m: str) -> set[str]:
+    parts = m.split(".")
+    return {".".join(parts[:k]) for k in range(1, len(parts))}
+
+
+def test_no_import_cycles():
+    """The project's modules form layers: no module imports (directly or through others) one that imports it.
+    Function-level imports count too, so a cycle cannot hide inside a function."""
+    graph, state, cycles = _graph(), {}, []
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = "open"
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                cycles.append(" -> ".join(stack[stack.index(n):] + [m, n]) if n in stack else f"{m} -> {n}")
+            elif n not in state:
+                visit(n, stack + [m])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    assert cycles == [], cycles[:5]
+
+
+def test_project_imports_at_the_top():
+    """Every file imports the project's modules at its top, where a reader sees what it depends on; only the CLI
+    imports its commands' modules when they run (its start-up time, see cli.py's docstring)."""
+    late = sorted({f"{m} imports {t}" for m in MODULES if m != "quantgate.cli"
+                   for t, top, _names in _imports(m) if not top})
+    assert late == [], late[:10]
+
+
+# modules kept at their old path for one release: re-exports only, and nothing in the project imports them
+COMPAT_SHIMS = ("quantgate.checkpoint", "quantgate.gguf_file", "quantgate.onnx_weights", "quantgate.ort_runner",
+                "quantgate.llama_runner", "quantgate.schemes")
+
+
+def test_old_paths_are_re_exports_the_project_does_not_use():
+    users = sorted(f"{m} imports {t}" for m in MODULES for t, _top, _n in _imports(m) if t in COMPAT_SHIMS
+                   and m not in COMPAT_SHIMS)
+    assert users == [], users
+    for shim in COMPAT_SHIMS:
+        tree = ast.parse(MODULES[shim].read_text())
+        defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        assert len(defined) <= 1, f"{shim} defines {defined}: an old path re-exports, it holds no code"
+
+
+def test_old_paths_give_the_same_objects():
+    import importlib
+    pairs = [("quantgate.checkpoint", "load_checkpoint", "quantgate.formats"),
+             ("quantgate.checkpoint", "save_checkpoint", "quantgate.formats"),
+             ("quantgate.gguf_file", "inspect_gguf", "quantgate.formats"),
+             ("quantgate.ort_runner", "OrtRunner", "quantgate.runners"),
+             ("quantgate.llama_runner", "LlamaRunner", "quantgate.runners"),
+             ("quantgate.quantize", "quantize_", "quantgate.quant.simulate"),
+             ("quantgate.evaluate", "eval_windows", "quantgate.calib_data"),
+             ("quantgate.evaluate", "token_nll", "quantgate.metrics"),
+             ("quantgate.export.gguf", "LINEAR_TO_GGUF", "quantgate.formats.gguf_layout")]
+    for old, name, new in pairs:
+        assert getattr(importlib.import_module(old), name) is getattr(importlib.import_module(new), name), (old, name)

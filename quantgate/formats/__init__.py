@@ -1,19 +1,18 @@
-"""What a path holds, decided in one place (mlx-lm's `utils.load` shape): every command that accepts "a model
-directory, a .gguf or an ONNX export" asks `artifact_kind` instead of testing suffixes itself.
+"""Every file format quantgate reads or writes, one door per format (issue 12).
 
-The GGUF and ONNX readers and name tables move here next (issue 12); for now this is the one suffix test.
+- `kind`: what a path holds (the one place that tests a suffix)
+- `hf`: model directories (config.json + safetensors + tokenizer.json) in every layout, read and written
+- `gguf_layout`: what a quantgate GGUF holds (names from gguf-py's constants), shared by writer and reader
+- `gguf`: reading and checking a GGUF with gguf-py; dequantizing it into our Model
+- `onnx_io`: the ONNX export's I/O spec and file checks, shared by exporter, runner and reader
+- `onnx`: reading an ONNX export's weights back (dequantized) into our Model
+- `load`: `load_checkpoint(path)` for any of them
+
+The writers are `quantgate.export.gguf` / `quantgate.export.onnx` (and `save_checkpoint` here for directories).
 """
-from __future__ import annotations
+from .gguf import GGUFInfo, inspect_gguf
+from .hf import Loaded, save_checkpoint
+from .kind import artifact_kind
+from .load import load_checkpoint
 
-from pathlib import Path
-
-
-def artifact_kind(path: str | Path) -> str:
-    """"gguf" for a .gguf file, "onnx" for a model.onnx or a folder holding one, otherwise "hf" (a model
-    directory; whether it exists and holds a model is the loader's check)."""
-    p = Path(path)
-    if p.suffix.lower() == ".gguf":
-        return "gguf"
-    if p.suffix.lower() == ".onnx" or (p.is_dir() and (p / "model.onnx").is_file()):
-        return "onnx"
-    return "hf"
+__all__ = ["GGUFInfo", "Loaded", "artifact_kind", "inspect_gguf", "load_checkpoint", "save_checkpoint"]

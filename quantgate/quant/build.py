@@ -1,7 +1,7 @@
 """`quantize(source, scheme, out)`: one door to every backend's quantizer, chosen by the scheme's type.
 
 torchao's `quantize_` dispatches on `type(config)` through a handler table; this is the same move for
-whole artifacts: a TorchScheme writes a model directory (quantgate.quantize), an OnnxScheme an ONNX
+whole artifacts: a TorchScheme writes a model directory (quantgate.quantize, PyTorch), an OnnxScheme an ONNX
 directory (onnxruntime.quantization), a GgufScheme a .gguf (llama.cpp's quantizer). `quantgate quantize`
 and the report's cells both call it, so a report cell's artifact is exactly what the CLI would write.
 """
@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import QuantgateError
+from ..gguf_quantize import quantize_gguf
+from ..onnx_quantize import quantize_onnx
+from ..quantize import quantize_checkpoint
 from .schemes import GgufScheme, OnnxScheme, TorchaoScheme, TorchScheme
 
 
@@ -25,12 +28,10 @@ class CalibSettings:
 
 
 def _torch(src, s: TorchScheme, out, c: CalibSettings, threads) -> dict:
-    from ..quantize import quantize_checkpoint
     return quantize_checkpoint(src, s, out, c.data, c.windows, c.ctx, c.seed)
 
 
 def _onnx(src, s: OnnxScheme, out, c: CalibSettings, threads) -> dict:
-    from ..onnx_quantize import quantize_onnx
     if s.tool == "export":
         raise QuantgateError("onnx:fp32 is the export itself: write it with quantgate export onnx")
     return quantize_onnx(src, out, s.base, s.keep.bits if s.keep else None, s.block_size or 32, c.data, c.windows,
@@ -38,7 +39,6 @@ def _onnx(src, s: OnnxScheme, out, c: CalibSettings, threads) -> dict:
 
 
 def _gguf(src, s: GgufScheme, out, c: CalibSettings, threads) -> dict:
-    from ..gguf_quantize import quantize_gguf
     if s.kv_type:
         raise QuantgateError(f"gguf:{s.name} is a KV-cache type chosen at run time: quantgate eval/generate "
                              f"MODEL.gguf --kv-type {s.kv_type}")

@@ -157,7 +157,7 @@ def test_ctrl_c_to_the_process_group_stops_the_llama_cpp_worker(twins, tmp_path)
     before = tree_snapshot(twins)
     p = _start("eval", str(twins / "g.gguf"), "--data", str(twins / "text.txt"), "--ctx", "64",
                env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
-    _wait_for(p, lambda: any("quantgate.llama_runner" in c for _, c in _children(p.pid)), "the llama.cpp worker")
+    _wait_for(p, lambda: any("quantgate.llama_worker" in c for _, c in _children(p.pid)), "the llama.cpp worker")
     time.sleep(0.3)  # the worker is loading or scoring: both must end cleanly
     _assert_interrupted(*_finish(p, signal.SIGINT, group=True), 130)
     assert _debris(tmp_path) == [] and tree_snapshot(twins) == before
@@ -200,7 +200,7 @@ def test_ctrl_c_to_the_process_group_during_report_then_resume(twins, tmp_path):
     before = tree_snapshot(twins)
     out = tmp_path / "rep"
     p = _start(*_report_args(twins, out), env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
-    _wait_for(p, lambda: any("quantgate.llama_runner" in c or "quantgate.gguf_quantize" in c
+    _wait_for(p, lambda: any("quantgate.llama_worker" in c or "quantgate.gguf_quantize" in c
                              for _, c in _children(p.pid)), "a llama.cpp worker or quantizer child")
     _assert_interrupted(*_finish(p, signal.SIGINT, group=True), 130)
     assert tree_snapshot(twins) == before

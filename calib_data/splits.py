@@ -1,0 +1,53 @@
+"""Which text calibrates and which evaluates, and how it is cut into windows: the one policy every command uses.
+
+The embedded corpus has held-out splits (DESIGN section 5): calibration (static activation ranges, GPTQ,
+SmoothQuant, ONNX int8-static, GGUF importance matrices) samples its `valid` split, evaluation reads its `test`
+split, so no scheme is calibrated on the text it is scored on. A user's text is used whole for either.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from quantgate.errors import QuantgateError
+
+from .sampling import sample_windows, tokenize_corpus
+from .sources import EMBEDDED_NAMES, load_corpus
+
+
+def default_split(data: str) -> str:
+    """The embedded corpus is evaluated on its held-out test split; a user's file is evaluated whole."""
+    return "test" if str(data) in EMBEDDED_NAMES else "all"
+
+
+def calibration_split(data: str) -> str:
+    """The embedded corpus calibrates on its valid split (never its test split); a user's text is used whole."""
+    return "valid" if str(data) in EMBEDDED_NAMES else "all"
+
+
+def calibration_windows(tokenizer, calib_data: str, n_windows: int, ctx: int, seed: int) -> np.ndarray:
+    """Seeded calibration windows of `ctx` tokens (BOS first) from the calibration split of `calib_data`."""
+    corpus = load_corpus(calib_data).split(calibration_split(calib_data))
+    if not corpus.documents:
+        raise QuantgateError(f"calibration data {calib_data} is empty")
+    return sample_windows(tokenize_corpus(corpus, tokenizer), n_windows, ctx, seed)
+
+
+def eval_windows(ids: np.ndarray, ctx: int, bos_id: int, max_windows: int | None = None) -> np.ndarray:
+    """[N, ctx] int64: BOS + ctx-1 consecutive tokens per row, tail dropped."""
+    if ctx < 2:
+        raise QuantgateError(f"--ctx must be at least 2, got {ctx}")
+    span = ctx - 1
+    n = len(ids) // span
+    if max_windows is not None:
+        n = min(n, max_windows)
+    if n == 0:
+        raise QuantgateError(f"the evaluation text has {len(ids)} tokens, too short for one window of {ctx}")
+    body = np.asarray(ids[: n * span], dtype=np.int64).reshape(n, span)
+    return np.concatenate([np.full((n, 1), bos_id, dtype=np.int64), body], axis=1)
+
+
+def check_ctx(ctx: int, context: int, model_path) -> None:
+    """One rule on every backend: a window longer than the model's own context is refused, not extrapolated."""
+    if ctx > context:
+        raise QuantgateError(f"--ctx {ctx} is longer than {model_path}'s context of {context} tokens "
+                             f"(its max_position_embeddings / context_length); use --ctx {context} or less")

@@ -1,0 +1,144 @@
+"""What a quantgate GGUF holds, shared by the writer (`quantgate.export.gguf`) and the reader
+(`quantgate.formats.gguf`): architecture names, tensor names, the shapes the header implies, and the identity
+recurrent layer a qwen35 file carries (DESIGN section 3).
+
+Every GGUF name comes from gguf-py's own constants (MODEL_ARCH_NAMES, TENSOR_NAMES over MODEL_TENSOR, the
+per-architecture MODEL_TENSORS lists), the tables convert_hf_to_gguf.py maps through; what is written by hand
+is only which of our tensors goes to which of theirs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
+
+from ..model import ModelConfig
+
+ARCHS = {"baseline": MODEL_ARCH.QWEN3, "gated": MODEL_ARCH.QWEN35}  # gated: every real layer full attention
+ARCH_NAMES = {role: MODEL_ARCH_NAMES[a] for role, a in ARCHS.items()}  # "qwen3", "qwen35"
+SUPPORTED_ARCHS = tuple(ARCH_NAMES.values())
+
+
+def tensor_name(t: MODEL_TENSOR, suffix: str = ".weight") -> str:
+    """gguf-py's name of `t` without the `blk.{bid}.` prefix: MODEL_TENSOR.ATTN_Q -> "attn_q.weight"."""
+    return TENSOR_NAMES[t].removeprefix("blk.{bid}.") + suffix
+
+
+def gguf_arch(cfg: ModelConfig) -> str:
+    return ARCH_NAMES["baseline" if cfg.gate == "none" else "gated"]
+
+
+GLOBAL_TENSORS = {  # ours -> GGUF
+    "embed_tokens.weight": tensor_name(MODEL_TENSOR.TOKEN_EMBD),
+    "norm.weight": tensor_name(MODEL_TENSOR.OUTPUT_NORM),
+    "lm_head.weight": tensor_name(MODEL_TENSOR.OUTPUT),  # omitted when tied: llama.cpp then reuses token_embd
+}
+LAYER_TENSORS = {  # ours (under layers.{i}.) -> GGUF (under blk.{i}.), both archs
+    "input_layernorm.weight": tensor_name(MODEL_TENSOR.ATTN_NORM),
+    "self_attn.k_proj.weight": tensor_name(MODEL_TENSOR.ATTN_K),
+    "self_attn.v_proj.weight": tensor_name(MODEL_TENSOR.ATTN_V),
+    "self_attn.o_proj.weight": tensor_name(MODEL_TENSOR.ATTN_OUT),
+    "self_attn.q_norm.weight": tensor_name(MODEL_TENSOR.ATTN_Q_NORM),
+    "self_attn.k_norm.weight": tensor_name(MODEL_TENSOR.ATTN_K_NORM),
+    "mlp.gate_proj.weight": tensor_name(MODEL_TENSOR.FFN_GATE),
+    "mlp.up_proj.weight": tensor_name(MODEL_TENSOR.FFN_UP),
+    "mlp.down_proj.weight": tensor_name(MODEL_TENSOR.FFN_DOWN),
+}
+POST_ATTENTION_NORM = {ARCH_NAMES["baseline"]: tensor_name(MODEL_TENSOR.FFN_NORM),
+                       ARCH_NAMES["gated"]: tensor_name(MODEL_TENSOR.ATTN_POST_NORM)}
+Q_TENSOR = tensor_name(MODEL_TENSOR.ATTN_Q)  # qwen3: q rows; qwen35: per head [q_h | gate_h]
+
+# ours -> the GGUF tensor whose input is that Linear's input (for importance matrices and gate checks)
+LINEAR_TO_GGUF = {
+    "self_attn.q_proj": Q_TENSOR, "self_attn.g_proj": Q_TENSOR,
+    **{ours.removesuffix(".weight"): theirs for ours, theirs in LAYER_TENSORS.items() if "proj" in ours},
+}
+
+# the identity recurrent layer's tensors (under blk.{L}.), in the order they are written
+IDENTITY_TENSORS = tuple(tensor_name(t, s) for t, s in (
+    (MODEL_TENSOR.ATTN_NORM, ".weight"), (MODEL_TENSOR.ATTN_POST_NORM, ".weight"), (MODEL_TENSOR.ATTN_QKV, ".weight"),
+    (MODEL_TENSOR.ATTN_GATE, ".weight"), (MODEL_TENSOR.SSM_CONV1D, ".weight"), (MODEL_TENSOR.SSM_BETA, ".weight"),
+    (MODEL_TENSOR.SSM_ALPHA, ".weight"), (MODEL_TENSOR.SSM_DT, ".bias"), (MODEL_TENSOR.SSM_A, ""),
+    (MODEL_TENSOR.SSM_NORM, ".weight"), (MODEL_TENSOR.SSM_OUT, ".weight"), (MODEL_TENSOR.FFN_GATE, ".weight"),
+    (MODEL_TENSOR.FFN_UP, ".weight"), (MODEL_TENSOR.FFN_DOWN, ".weight")))
+
+# The HF pre-tokenizer that llama.cpp's `tokenizer.ggml.pre` "qwen2" reproduces (llama.cpp's own table).
+QWEN2_SPLIT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+               "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+
+
+def arch_tensors(arch: str) -> set[str]:
+    """Every per-layer and global tensor name gguf-py lists for `arch` (without blk prefixes or suffixes)."""
+    a = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch)
+    return {TENSOR_NAMES[t].removeprefix("blk.{bid}.") for t in MODEL_TENSORS[a]}
+
+
+@dataclass
+class IdentityLayerShape:
+    """The one recurrent (gated delta net) layer llama.cpp's qwen35 needs (see `identity_recurrent_layer`).
+
+    state = head_k_dim, inner = value width, heads = value heads (dt_rank), groups = key heads. Its MLP
+    has the model's width: llama.cpp's qwen35 reads one feed_forward_length for all layers (a per-layer
+    array fails its shape check). Measured on the small twins, 1 thread (benchmarks/results/gguf_twins.md):
+    256x256 (DESIGN's first choice) costs +20..40% prefill and decode time; 32x32 and 1x1 cost 0..27%
+    depending on the run (within this machine's noise of each other), so the default is 1x1, the smallest
+    file; its few 1-wide rows stay unquantized.
+    """
+    state: int = 1
+    inner: int = 1
+    heads: int = 1
+    groups: int = 1
+    conv_kernel: int = 4
+
+
+def identity_recurrent_layer(cfg: ModelConfig, shape: IdentityLayerShape, i: int) -> dict[str, torch.Tensor]:
+    """Workaround for a llama.cpp defect, kept in this one place.
+
+    qwen35 with zero recurrent layers loads but aborts the process on the first decode (an unused
+    recurrent-state input is never allocated; GGML_ASSERT, not catchable). So the file gets one extra
+    gated-delta-net layer after the real ones whose output projections (`ssm_out`, `ffn_down`) are zero:
+    it adds exactly 0 to the residual stream. Its other weights are zero too, so no NaN can arise in it.
+    Its cost (compute and bytes) is measured in benchmarks/gguf_twins.py.
+    """
+    D = cfg.dim
+    key_dim, ffn = shape.state * shape.groups, cfg.ffn_dim
+    z = torch.zeros
+    tensors = (torch.ones(D), torch.ones(D), z(2 * key_dim + shape.inner, D), z(shape.inner, D),
+               z(2 * key_dim + shape.inner, shape.conv_kernel), z(shape.heads, D), z(shape.heads, D), z(shape.heads),
+               z(shape.heads), torch.ones(shape.inner // shape.heads), z(D, shape.inner), z(ffn, D), z(ffn, D),
+               z(D, ffn))
+    return {f"blk.{i}.{n}": t for n, t in zip(IDENTITY_TENSORS, tensors)}
+
+
+def expected_tensor_names(arch: str, n_layers: int, tied: bool, identity: int) -> set[str]:
+    """Every tensor a file of this shape holds (what the exporter writes and llama.cpp's loader wants)."""
+    names = {GLOBAL_TENSORS["embed_tokens.weight"], GLOBAL_TENSORS["norm.weight"]}
+    names |= set() if tied else {GLOBAL_TENSORS["lm_head.weight"]}
+    per_layer = set(LAYER_TENSORS.values()) | {POST_ATTENTION_NORM[arch], Q_TENSOR}
+    names |= {f"blk.{i}.{n}" for i in range(n_layers) for n in per_layer}
+    names |= {f"blk.{n_layers + k}.{n}" for k in range(identity) for n in IDENTITY_TENSORS}
+    return names
+
+
+def expected_tensor_shapes(arch: str, n_layers: int, identity: int, hp: dict) -> dict[str, tuple]:
+    """Tensor name -> PyTorch-order shape ([out, in]) that the header's hyperparameters imply (`hp`: vocab, dim,
+    heads, kv_heads, head_dim, ffn, and ssm_* for the identity layers): what the exporter writes, so a reader can
+    refuse a file whose tensors disagree with its header before llama.cpp sees it."""
+    V, D, H, KV, hd, F = (hp[k] for k in ("vocab", "dim", "heads", "kv_heads", "head_dim", "ffn"))
+    g = GLOBAL_TENSORS
+    shapes = {g["embed_tokens.weight"]: (V, D), g["norm.weight"]: (D,), g["lm_head.weight"]: (V, D)}
+    q_rows = 2 * H * hd if arch == ARCH_NAMES["gated"] else H * hd
+    ours = {"input_layernorm.weight": (D,), "self_attn.k_proj.weight": (KV * hd, D),
+            "self_attn.v_proj.weight": (KV * hd, D), "self_attn.o_proj.weight": (D, H * hd),
+            "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,), "mlp.gate_proj.weight": (F, D),
+            "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F)}
+    per_layer = {LAYER_TENSORS[k]: sh for k, sh in ours.items()} | {POST_ATTENTION_NORM[arch]: (D,), Q_TENSOR: (q_rows, D)}
+    shapes |= {f"blk.{i}.{n}": sh for i in range(n_layers) for n, sh in per_layer.items()}
+    for k in range(identity):
+        shape = IdentityLayerShape(hp["ssm_state"], hp["ssm_inner"], hp["ssm_heads"], hp["ssm_groups"], hp["ssm_conv"])
+        cfg = ModelConfig(vocab_size=V, dim=D, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=2, ffn_dim=F,
+                          bos_id=0, eos_id=0, pad_id=0)
+        with torch.device("meta"):
+            shapes |= {n: tuple(t.shape) for n, t in identity_recurrent_layer(cfg, shape, n_layers + k).items()}
+    return shapes

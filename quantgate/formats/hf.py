@@ -1,0 +1,423 @@
+"""Read and write model directories (config.json + safetensors + tokenizer.json) in every layout.
+
+Reading validates everything a broken or foreign checkpoint can get wrong (unknown architecture,
+missing or mis-shaped tensors, NaN weights, tokenizer larger than the embedding) and raises one
+QuantgateError naming the file or tensor. Writing is atomic. Only safetensors are read: a pickle
+from a user is never loaded.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .. import __version__
+from ..errors import QuantgateError
+from ..fsio import atomic_dir, check_output, read_json
+from ..layouts import (DEFAULT_LAYOUT_FOR_GATE, GLOBAL_NAMES, LAYER_NAMES, LAYOUTS, Q_NAME, Layout, detect_layout,
+                       is_norm)
+from ..model import Model, ModelConfig
+from ..quant.simulate import apply_saved_quantization
+from ..tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclass
+class Loaded:
+    model: Model
+    tokenizer: Tokenizer | None
+    layout: str
+    path: Path
+
+
+# --- config.json <-> ModelConfig --------------------------------------------------------------------
+
+class HFFields:
+    """Typed reads of config.json values: a wrong type or an out-of-range value is one error naming the field.
+
+    JSON from a user can hold anything; every value the loader uses passes through here first."""
+
+    def __init__(self, hf: dict, where: str):
+        self.hf, self.where = hf, where
+
+    def _bad(self, name: str, v, want: str) -> QuantgateError:
+        return QuantgateError(f"{self.where}: {name} must be {want}, got {json.dumps(v)[:60]}")
+
+    def int(self, name: str, default=None, lo: int = 1, hi: int = 1 << 40) -> int:
+        v = self.hf.get(name, default)
+        if v is None:
+            if default is None:
+                raise QuantgateError(f"{self.where}: {name} is missing")
+            v = default
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise self._bad(name, v, f"an integer in [{lo}, {hi}]")
+        return v
+
+    def float(self, name: str, default: float, hi: float = 1e30) -> float:
+        v = self.hf.get(name, default)
+        v = default if v is None else v
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= hi:
+            raise self._bad(name, v, f"a positive number up to {hi:g}")
+        return float(v)
+
+    def bool(self, name: str, default: bool) -> bool:
+        v = self.hf.get(name, default)
+        v = default if v is None else v
+        if not isinstance(v, bool):
+            raise self._bad(name, v, "true or false")
+        return v
+
+    def token(self, name: str, default: int | None) -> int | None:
+        v = self.hf.get(name, default)
+        if isinstance(v, list) and v:  # eos_token_id may be a list: the first is the one that ends a text
+            v = v[0]
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise self._bad(name, v, "a token id")
+        return v
+
+
+# Upper bounds far above any real model: past them a value is a typo or corruption, not a model.
+MAX_DIM, MAX_LAYERS, MAX_VOCAB, MAX_CONTEXT = 1 << 17, 1 << 12, 1 << 22, 1 << 24
+
+
+def config_from_hf(hf: dict, path: Path) -> tuple[ModelConfig, Layout]:
+    where = f"{path}/config.json"
+    if not isinstance(hf, dict):
+        raise QuantgateError(f"{where}: must hold a JSON object, got {type(hf).__name__}")
+    layout_name = detect_layout(hf)
+    if not layout_name:
+        raise QuantgateError(f"{where}: model_type {json.dumps(hf.get('model_type'))[:40]} is not supported "
+                             f"(supported: qwen3, qwen3 with attn_output_gate, qwen3_next)")
+    layout = LAYOUTS[layout_name]
+    f = HFFields(hf, where)
+    L = f.int("num_hidden_layers", hi=MAX_LAYERS)
+    H = f.int("num_attention_heads", hi=MAX_DIM)
+    # absent fields take transformers' own defaults for that model_type
+    hd = f.int("head_dim", 256 if layout_name == "qwen3_next" else 128, hi=MAX_DIM)
+    if hf.get("rope_scaling"):
+        raise QuantgateError(f"{where}: rope_scaling {json.dumps(hf['rope_scaling'])[:60]} is not supported")
+    if hf.get("attention_bias") or hf.get("qkv_bias"):
+        raise QuantgateError(f"{where}: attention biases are not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise QuantgateError(f"{where}: hidden_act {json.dumps(hf['hidden_act'])[:40]} is not supported")
+    if layout_name == "qwen3_next":
+        _check_dense_full_attention(hf, L, path)
+        gate = "elementwise"
+    elif layout_name == "official":
+        gate = "headwise" if f.bool("headwise_attn_output_gate", False) else "elementwise"
+        f.bool("elementwise_attn_output_gate", False)
+    else:
+        gate = "none"
+    eos = f.token("eos_token_id", 1)
+    extra = hf.get("quantgate", {})
+    if not isinstance(extra, dict):
+        raise QuantgateError(f"{where}: the quantgate block must be a JSON object")
+    try:
+        cfg = ModelConfig(
+            vocab_size=f.int("vocab_size", hi=MAX_VOCAB), dim=f.int("hidden_size", hi=MAX_DIM), n_layers=L, n_heads=H,
+            n_kv_heads=f.int("num_key_value_heads", H, hi=MAX_DIM), head_dim=hd,
+            ffn_dim=f.int("intermediate_size", hi=MAX_DIM * 8), gate=gate,
+            rope_theta=f.float("rope_theta", 10000.0),
+            partial_rotary=f.float("partial_rotary_factor", 0.25, hi=1.0) if layout_name == "qwen3_next" else 1.0,
+            qk_norm=f.bool("use_qk_norm", True), tie_embeddings=f.bool("tie_word_embeddings", False),
+            norm_eps=f.float("rms_norm_eps", 1e-6, hi=1.0),
+            max_seq_len=f.int("max_position_embeddings", 2048, hi=MAX_CONTEXT),
+            bos_id=f.token("bos_token_id", eos), eos_id=eos, pad_id=f.token("pad_token_id", eos),
+            extra={"source_layout": layout_name, **extra},
+        )
+    except ValueError as e:
+        raise QuantgateError(f"{where}: {e}") from None
+    return cfg, layout
+
+
+def check_fits_in_memory(cfg: ModelConfig, where: str) -> None:
+    """Refuse, before allocating anything, a model whose fp32 weights (read once and held once while
+    loading) would not fit in the memory this machine has free."""
+    with torch.device("meta"):
+        n = Model(cfg).num_params()
+    need = 2 * 4 * n
+    avail = available_memory()
+    if avail is not None and need > avail:
+        raise QuantgateError(f"{where}: describes {n / 1e9:.2f}B parameters ({need / 2**30:.1f} GiB to load in "
+                             f"fp32), more than the {avail / 2**30:.1f} GiB of memory available")
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux MemAvailable), or None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_dense_full_attention(hf: dict, L: int, path: Path) -> None:
+    where = f"{path}/config.json"
+    types = hf.get("layer_types") or []
+    if not isinstance(types, list) or len(types) != L or any(t != "full_attention" for t in types):
+        raise QuantgateError(f"{where}: only all-full-attention Qwen3-Next is supported "
+                             f"(layer_types must list {L} 'full_attention' layers; linear-attention hybrids are not "
+                             f"supported yet)")
+    mlp_only = hf.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):
+        raise QuantgateError(f"{where}: mlp_only_layers must be a list of layer indices")
+    f = HFFields(hf, where)
+    n_exp, step = f.int("num_experts", 0, lo=0), f.int("decoder_sparse_step", 1)
+    moe = [i for i in range(L) if i not in set(mlp_only) and n_exp > 0 and (i + 1) % step == 0]
+    if moe:
+        raise QuantgateError(f"{where}: mixture-of-experts layers {moe[:8]} are not supported "
+                             f"(dense models only: mlp_only_layers must cover every layer)")
+
+
+def config_to_hf(cfg: ModelConfig, layout: Layout) -> dict:
+    hf = {
+        "architectures": [layout.architecture], "model_type": layout.model_type,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": None, "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id,
+        "pad_token_id": cfg.pad_id, "torch_dtype": "float32", "use_cache": True,
+    }
+    if layout.name == "qwen3":
+        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
+    elif layout.name == "official":
+        hf.update(headwise_attn_output_gate=cfg.gate == "headwise",
+                  elementwise_attn_output_gate=cfg.gate == "elementwise",
+                  use_qk_norm=cfg.qk_norm, qkv_bias=False, use_sliding_window=False, sliding_window=None)
+    else:
+        hf.update(partial_rotary_factor=cfg.partial_rotary, layer_types=["full_attention"] * cfg.n_layers,
+                  mlp_only_layers=list(range(cfg.n_layers)), num_experts=0, decoder_sparse_step=1)
+    hf["quantgate"] = {"version": __version__, "gate": cfg.gate,
+                       **{k: v for k, v in cfg.extra.items() if k != "source_layout"},
+                       "source_layout": cfg.extra.get("source_layout", "quantgate")}
+    return hf
+
+
+# --- tensors ---------------------------------------------------------------------------------------
+
+class TensorSource:
+    """Name -> file map over one or several (sharded) safetensors files, read lazily."""
+
+    def __init__(self, path: Path):
+        self._handles: dict[Path, object] = {}
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = read_json(index)
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) and Path(v).name == v for k, v in weight_map.items()):
+                raise QuantgateError(f"{index}: weight_map must map tensor names to shard file names in the folder")
+            self.files = {name: path / f for name, f in weight_map.items()}
+        else:
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                pickles = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt*")]
+                hint = f" (found {pickles[0]}: pickled weights are never loaded)" if pickles else ""
+                raise QuantgateError(f"{path}: no .safetensors weights{hint}")
+            self.files = {}
+            for f in files:
+                for name in self._open(f).keys():
+                    self.files[name] = f
+
+    def _open(self, f: Path):
+        if f not in self._handles:
+            if not f.is_file():
+                raise QuantgateError(f"{f}: shard named in the index is missing")
+            try:
+                self._handles[f] = safe_open(str(f), framework="pt")
+            except (SafetensorError, OSError, ValueError) as e:
+                raise QuantgateError(f"{f}: corrupt or truncated safetensors ({str(e)[:100]})") from None
+        return self._handles[f]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+
+    def header(self, name: str) -> tuple[tuple, str]:
+        """(shape, dtype) of a tensor from its file's header, without reading its data."""
+        if name not in self.files:
+            raise QuantgateError(f"tensor {name} is missing from the checkpoint")
+        f = self.files[name]
+        try:
+            sl = self._open(f).get_slice(name)
+            return tuple(sl.get_shape()), str(sl.get_dtype())
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise QuantgateError(f"{f}: cannot read tensor {name} ({str(e)[:100]})") from None
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.files:
+            raise QuantgateError(f"tensor {name} is missing from the checkpoint")
+        f = self.files[name]
+        try:
+            t = self._open(f).get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise QuantgateError(f"{f}: cannot read tensor {name} ({str(e)[:100]})") from None
+        t = t.float()
+        if not torch.isfinite(t).all():
+            raise QuantgateError(f"tensor {name} in {f.name} holds NaN or Inf values")
+        return t
+
+
+def _expect(name: str, t: torch.Tensor, shape: tuple) -> torch.Tensor:
+    if tuple(t.shape) != tuple(shape):
+        raise QuantgateError(f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    return t
+
+
+def tensor_plan(cfg: ModelConfig, layout: Layout, shapes: dict) -> dict[str, tuple[str | None, tuple]]:
+    """theirs (on-disk name) -> (ours, expected shape) for every tensor the layout stores; `shapes` are our
+    model's parameter shapes (from a meta-device model: nothing allocated)."""
+    names = dict(GLOBAL_NAMES)
+    if cfg.tie_embeddings:
+        names.pop("lm_head.weight")
+    for i in range(cfg.n_layers):
+        for ours, theirs in LAYER_NAMES.items():
+            if not cfg.qk_norm and ("q_norm" in ours or "k_norm" in ours):
+                continue
+            names[ours.format(i=i)] = theirs.format(i=i)
+    plan = {theirs: (ours, shapes[ours]) for ours, theirs in names.items()}
+    for i in range(cfg.n_layers):
+        plan[Q_NAME.format(i=i)] = (None, (layout.q_rows(cfg), cfg.dim))
+    return plan
+
+
+def check_tensor_headers(src: TensorSource, cfg: ModelConfig, layout: Layout, plan: dict) -> None:
+    """Every tensor present with the shape and a float dtype config.json implies, nothing extra: checked
+    from the safetensors headers before a single weight is allocated."""
+    for theirs, (_ours, shape) in plan.items():
+        got, dtype = src.header(theirs)
+        if got != tuple(shape):
+            raise QuantgateError(f"tensor {theirs} has shape {got}, expected {tuple(shape)} (from config.json)")
+        if dtype not in TensorSource.FLOAT_DTYPES:
+            raise QuantgateError(f"tensor {theirs} has dtype {dtype}; quantgate reads float weights only")
+    extra = sorted(src.names() - set(plan) - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
+    if extra:
+        raise QuantgateError(f"unexpected tensor {extra[0]} (+{len(extra) - 1} more): the checkpoint does not "
+                             f"match its config.json ({layout.description})")
+
+
+def read_state_dict(src: TensorSource, cfg: ModelConfig, layout: Layout, plan: dict) -> dict:
+    sd = {}
+    for theirs, (ours, shape) in plan.items():
+        t = _expect(theirs, src.get(theirs), shape)
+        if ours is not None:
+            sd[ours] = t + 1.0 if layout.zero_centred_norms and is_norm(ours) else t
+            continue
+        i = int(theirs.split(".")[2])  # model.layers.{i}.self_attn.q_proj.weight
+        q, g = layout.split_q(t, cfg)
+        sd[f"layers.{i}.self_attn.q_proj.weight"] = q.contiguous()
+        if g is not None:
+            sd[f"layers.{i}.self_attn.g_proj.weight"] = g.contiguous()
+    return sd
+
+
+def write_state_dict(model: Model, layout: Layout) -> dict[str, torch.Tensor]:
+    cfg, ours = model.cfg, model.state_dict()
+    out = {}
+    names = dict(GLOBAL_NAMES)
+    if cfg.tie_embeddings:
+        names.pop("lm_head.weight")
+    for i in range(cfg.n_layers):
+        for o, t in LAYER_NAMES.items():
+            if cfg.qk_norm or not ("q_norm" in o or "k_norm" in o):
+                names[o.format(i=i)] = t.format(i=i)
+    for o, t in names.items():
+        w = ours[o].detach().float()
+        out[t] = (w - 1.0 if layout.zero_centred_norms and is_norm(o) else w).contiguous().clone()
+    for i in range(cfg.n_layers):
+        q = ours[f"layers.{i}.self_attn.q_proj.weight"].float()
+        g = ours.get(f"layers.{i}.self_attn.g_proj.weight")
+        out[Q_NAME.format(i=i)] = layout.fuse_q(q, None if g is None else g.float(), cfg).contiguous().clone()
+    return out
+
+
+# --- reading and writing a directory -------------------------------------------------------------
+
+def load_hf(path: str | Path, with_tokenizer: bool = True) -> Loaded:
+    """A model directory (any layout of LAYOUTS) into our Model (fp32, eval mode); a quantgate-quantized
+    checkpoint gets its saved scheme back (`apply_saved_quantization`)."""
+    path = Path(path)
+    if not path.exists():
+        raise QuantgateError(f"model directory {path} does not exist")
+    if not path.is_dir():
+        raise QuantgateError(f"{path} is not a model directory (expected config.json + *.safetensors)")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise QuantgateError(f"{path}: no config.json")
+    hf = read_json(cfg_file)
+    cfg, layout = config_from_hf(hf, path)
+    check_fits_in_memory(cfg, str(cfg_file))
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Model(cfg).state_dict().items()}
+    src = TensorSource(path)
+    plan = tensor_plan(cfg, layout, shapes)
+    check_tensor_headers(src, cfg, layout, plan)
+    sd = read_state_dict(src, cfg, layout, plan)
+    model = Model(cfg)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:  # a mapping-table bug, not user error
+        raise RuntimeError(f"internal mapping error: missing {missing}, unexpected {unexpected}")
+    if "quant_scheme" in cfg.extra:
+        apply_saved_quantization(model, cfg.extra, str(cfg_file))
+    model.eval()
+    tok = None
+    if with_tokenizer and (path / "tokenizer.json").is_file():
+        tok = load_tokenizer(path, cfg.bos_id, cfg.eos_id, cfg.pad_id)
+        check_tokenizer_fits(tok, cfg, path)
+    return Loaded(model, tok, layout.name, path)
+
+
+def check_tokenizer_fits(tok: Tokenizer, cfg: ModelConfig, path: Path) -> None:
+    if tok.vocab_size > cfg.vocab_size:
+        raise QuantgateError(f"{path}/tokenizer.json has {tok.vocab_size} tokens but the embedding has only "
+                             f"{cfg.vocab_size} rows (tokenizer/vocab mismatch)")
+    for name, i in (("bos", tok.bos_id), ("eos", tok.eos_id)):
+        if not 0 <= i < cfg.vocab_size:
+            raise QuantgateError(f"{path}: {name} id {i} is outside the vocabulary of {cfg.vocab_size}")
+
+
+def save_checkpoint(model: Model, out: str | Path, tokenizer: Tokenizer | None = None,
+                    layout: str | None = None, inputs: tuple = ()) -> Path:
+    """Write `model` as a stock-loadable directory: baseline -> qwen3, headwise -> official layout,
+    elementwise -> dense all-full-attention qwen3_next (override with `layout`)."""
+    cfg = model.cfg
+    name = layout or DEFAULT_LAYOUT_FOR_GATE[cfg.gate]
+    if name not in LAYOUTS:
+        raise QuantgateError(f"unknown layout {name!r}; choose from {sorted(LAYOUTS)}")
+    lay = LAYOUTS[name]
+    if (cfg.gate == "none") != (name == "qwen3"):
+        raise QuantgateError(f"a model with gate '{cfg.gate}' cannot be written in the {name} layout")
+    if name != "qwen3_next" and cfg.partial_rotary != 1.0:
+        raise QuantgateError(f"partial rotary ({cfg.partial_rotary}) can only be written in the qwen3_next layout")
+    if name != "official" and not cfg.qk_norm:
+        raise QuantgateError("a model without QK-norm can only be written in the official layout")
+    check_output(out, "checkpoint", inputs)
+    tensors = write_state_dict(model, lay)
+    with atomic_dir(out, "checkpoint") as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, lay), indent=2) + "\n")
+        gen = {"bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "pad_token_id": cfg.pad_id}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+    return Path(out)

@@ -1,0 +1,167 @@
+"""Run GGUF files in stock llama.cpp (through llama-cpp-python), in a worker process.
+
+llama.cpp stops the whole process with GGML_ASSERT/abort on some malformed or unsupported files, so
+the model lives in a child process (`python -m quantgate.llama_worker`, a module that imports only
+llama-cpp-python and numpy, so nothing of the caller's __main__ is re-imported and a spawn stays quick) and the parent talks to it over a socket pair: if the child dies, the parent
+raises one QuantgateError quoting llama.cpp's last stderr line and carries on. Every file is checked with gguf-py first
+(`formats.gguf.inspect_gguf`).
+
+Logits follow the Runner protocol (one window per llama.cpp context reset, all positions scored).
+KV-cache types f32 (parity), f16 (llama.cpp's default), q8_0 and q4_0 (needs flash attention in
+llama.cpp, switched on for those).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from ..errors import QuantgateError
+from ..formats.gguf import GGUFInfo, inspect_gguf
+from ..quant.schemes import GGUF_KV_TYPES, ggml_type
+from .device import cuda_index
+
+KV_TYPES = {k: ggml_type(k) for k in GGUF_KV_TYPES}  # KV-cache type -> ggml_type id (gguf-py's enum)
+QUANTIZED_KV = ("q8_0", "q4_0")  # llama.cpp needs flash attention for a quantized V cache
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+    @property
+    def decode_tps(self) -> float:
+        return (self.generated_tokens - 1) / self.decode_s if self.decode_s > 0 and self.generated_tokens > 1 \
+            else float("nan")
+
+
+# --- parent ----------------------------------------------------------------------------------------
+
+class LlamaRunner:
+    """A GGUF model in a llama.cpp worker process. Use as a context manager (or call close())."""
+
+    def __init__(self, path: str | Path, n_ctx: int = 512, kv_type: str = "f32", threads: int | None = None,
+                 logits_all: bool = True, name: str | None = None, device: str = "cpu"):
+        gpu = cuda_index(device)
+        if kv_type not in KV_TYPES:
+            raise QuantgateError(f"unknown KV-cache type {kv_type!r}; choose from {', '.join(KV_TYPES)}")
+        self.info: GGUFInfo = inspect_gguf(path)
+        if kv_type in QUANTIZED_KV and self.info.head_dim % 32:
+            raise QuantgateError(f"KV-cache type {kv_type} needs a head dimension that is a multiple of 32 "
+                                 f"(llama.cpp's block size); {path} has {self.info.head_dim}")
+        if n_ctx > self.info.context_length:
+            raise QuantgateError(f"a context of {n_ctx} tokens is longer than {path}'s own context of "
+                                 f"{self.info.context_length} tokens")
+        self.path, self.kv_type, self.device = Path(path), kv_type, device
+        self.name = name or f"llama.cpp:{self.path.name}"
+        self.vocab_size = self.info.vocab_size
+        threads = threads or min(os.cpu_count() or 1, 8)
+        parent, child = socket.socketpair()
+        self._stderr = tempfile.TemporaryFile()
+        cmd = [sys.executable, "-m", "quantgate.llama_worker", str(child.fileno()), str(path), str(n_ctx),
+               str(KV_TYPES[kv_type]), str(int(kv_type in QUANTIZED_KV)), str(threads), str(int(logits_all)),
+               str(-1 if gpu is None else gpu)]
+        self._proc = subprocess.Popen(cmd, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL, stderr=self._stderr,
+                                      start_new_session=True)  # a terminal's Ctrl-C reaches only us; we stop it
+        child.close()
+        self._sock = parent
+        self._conn = Connection(parent.detach())
+        self.n_ctx = n_ctx
+        try:
+            self._recv("loading")
+        except BaseException:
+            self.close(at_once=True)
+            raise
+
+    def _died(self, doing: str) -> QuantgateError:
+        try:
+            code = self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            code = self._proc.wait()
+        self._stderr.seek(0)
+        lines = [ln.strip() for ln in self._stderr.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+        why = next((ln for ln in reversed(lines) if "GGML_ASSERT" in ln or "error" in ln.lower()),
+                   lines[-1] if lines else "")
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return QuantgateError(f"llama.cpp stopped ({how}) while {doing} {self.path}"
+                              + (f": {why[:160]}" if why else ": the file is malformed or unsupported"))
+
+    def _recv(self, doing: str):
+        try:
+            status, payload = self._conn.recv()
+        except (EOFError, ConnectionResetError, OSError):
+            raise self._died(doing) from None
+        if status == "error":
+            raise QuantgateError(f"{self.path}: {payload}")
+        return payload
+
+    def logits(self, windows: np.ndarray) -> np.ndarray:
+        if windows.shape[1] > self.n_ctx:
+            raise QuantgateError(f"window of {windows.shape[1]} tokens exceeds the llama.cpp context {self.n_ctx}")
+        self._conn.send(("logits", np.asarray(windows, dtype=np.int64)))
+        return self._recv("evaluating")
+
+    def tokenize(self, text: str) -> list[int]:
+        self._conn.send(("tokenize", text))
+        return self._recv("tokenizing with")
+
+    def generate(self, ids: list[int], max_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
+                 stop_ids: tuple[int, ...] = ()) -> Iterator[tuple[int, bytes]]:
+        """Yield (token id, bytes) as llama.cpp produces them; `self.last_stats` holds the timings after."""
+        if len(ids) + max_tokens > self.n_ctx:
+            raise QuantgateError(f"prompt ({len(ids)} tokens) + {max_tokens} new tokens exceed the context {self.n_ctx}")
+        self._conn.send(("generate", list(ids), max_tokens, temperature, seed, list(stop_ids)))
+        while True:
+            msg = self._recv_stream()
+            if msg[0] == "done":
+                self.last_stats = GenerationStats(**msg[1])
+                return
+            yield msg[1], msg[2]
+
+    def _recv_stream(self):
+        try:
+            return self._conn.recv()
+        except (EOFError, ConnectionResetError, OSError):
+            raise self._died("generating with") from None
+
+    def bench(self, prefill_ids: list[int], decode_ids: list[int], repeats: int = 5) -> dict:
+        self._conn.send(("bench", list(prefill_ids), list(decode_ids), repeats))
+        return self._recv("benchmarking")
+
+    def close(self, at_once: bool = False) -> None:
+        """Ask the worker to finish; `at_once` (an error or Ctrl-C in the parent, the worker possibly busy in a long
+        llama.cpp call) kills it instead of waiting."""
+        if self._proc.poll() is None:
+            try:
+                if at_once:
+                    raise subprocess.TimeoutExpired(self._proc.args, 0)
+                self._conn.send(("close",))
+                self._proc.wait(timeout=10)
+            except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait()
+        self._conn.close()
+        self._stderr.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        self.close(at_once=exc_type is not None)

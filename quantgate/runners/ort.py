@@ -1,0 +1,150 @@
+"""Run an exported ONNX decoder in ONNX Runtime: logits for eval, KV-cache generation, speed.
+
+The CPU execution provider by default; the CUDA one when asked for and present (onnxruntime-gpu),
+with IOBinding so the cache stays on the device between steps. Every file is opened with onnx first,
+and its inputs and outputs are checked against the names the exporter writes, so a corrupt file or a
+foreign graph ends in one clear error.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from ..errors import QuantgateError
+from ..formats.onnx_io import check_graph, read_meta, resolve_onnx
+from .device import cuda_index
+
+
+class OrtRunner:
+    """An ONNX decoder in an InferenceSession. Runner protocol: logits(windows)."""
+
+    def __init__(self, path: str | Path, device: str = "cpu", threads: int | None = None, name: str | None = None):
+        import onnxruntime as ort
+
+        self.path, self.dir = resolve_onnx(path)
+        graph, self.n_layers = check_graph(self.path)
+        past = next(i for i in graph.graph.input if i.name == "past_key_values.0.key")
+        dims = past.type.tensor_type.shape.dim
+        self.n_kv_heads, self.head_dim = int(dims[1].dim_value), int(dims[3].dim_value)
+        self.kv_dtype = np.float16 if past.type.tensor_type.elem_type == 10 else np.float32
+        logits = graph.graph.output[0].type.tensor_type.shape.dim
+        self.vocab_size = int(logits[2].dim_value) if logits[2].dim_value else read_meta(self.dir).get("vocab_size")
+        del graph
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        opts.log_severity_level = 4  # failures surface as one QuantgateError, not as ORT log lines
+        self.cuda = cuda_index(device)
+        providers: list = ["CPUExecutionProvider"]
+        if self.cuda is not None:
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                raise QuantgateError(f"--device {device} needs onnxruntime-gpu (pip uninstall onnxruntime; pip install "
+                                     f"onnxruntime-gpu) and a CUDA device")
+            # TF32 off: ORT's CUDA EP rounds fp32 GEMM inputs to TF32 by default, which is not fp32 parity
+            providers = [("CUDAExecutionProvider", {"device_id": self.cuda, "use_tf32": 0}), "CPUExecutionProvider"]
+        try:
+            self.session = ort.InferenceSession(str(self.path), opts, providers=providers)
+        except Exception as e:
+            raise QuantgateError(f"{self.path}: ONNX Runtime cannot load it ({str(e).splitlines()[0][:150]})") from None
+        self.device = device
+        self.name = name or f"onnxruntime:{self.dir.name}"
+        self.out_names = [o.name for o in self.session.get_outputs()]
+
+    def _empty_past(self, batch: int) -> dict:
+        z = np.zeros((batch, self.n_kv_heads, 0, self.head_dim), dtype=self.kv_dtype)
+        if self.cuda is not None:
+            import onnxruntime as ort
+            z = ort.OrtValue.ortvalue_from_numpy(z, "cuda", self.cuda)
+        return {f"past_key_values.{i}.{kv}": z for i in range(self.n_layers) for kv in ("key", "value")}
+
+    def step(self, ids: np.ndarray, past: dict, start: int) -> tuple[np.ndarray, dict]:
+        """Run ids [B, T] after `start` cached positions; returns (logits [B, T, V] fp32, next past)."""
+        B, T = ids.shape
+        feed = {"input_ids": ids.astype(np.int64), "attention_mask": np.ones((B, start + T), dtype=np.int64),
+                "position_ids": np.broadcast_to(np.arange(start, start + T, dtype=np.int64), (B, T)).copy(), **past}
+        try:
+            if self.cuda is not None:
+                return self._step_bound(feed)
+            outs = self.session.run(None, feed)
+        except Exception as e:  # e.g. GroupQueryAttention's limits (several new tokens on a cache need batch 1)
+            msg = (str(e).split("Status Message:")[-1].strip().splitlines() or [type(e).__name__])[0][:200]
+            raise QuantgateError(f"{self.path}: ONNX Runtime failed: {msg}") from None
+        present = {n.replace("present.", "past_key_values."): v for n, v in zip(self.out_names[1:], outs[1:])}
+        return outs[0].astype(np.float32), present
+
+    def _step_bound(self, feed: dict) -> tuple[np.ndarray, dict]:
+        """CUDA: IOBinding keeps present k/v on the device and feeds them back as the next past."""
+        import onnxruntime as ort
+        io = self.session.io_binding()
+        for k, v in feed.items():
+            if isinstance(v, ort.OrtValue):
+                io.bind_ortvalue_input(k, v)
+            else:
+                io.bind_cpu_input(k, np.ascontiguousarray(v))
+        io.bind_output("logits", "cpu")
+        for n in self.out_names[1:]:
+            io.bind_output(n, "cuda", self.cuda)
+        self.session.run_with_iobinding(io)
+        outs = io.get_outputs()
+        present = {n.replace("present.", "past_key_values."): v for n, v in zip(self.out_names[1:], outs[1:])}
+        return outs[0].numpy().astype(np.float32), present
+
+    def logits(self, windows: np.ndarray) -> np.ndarray:
+        lg, _ = self.step(np.asarray(windows), self._empty_past(len(windows)), 0)
+        return lg
+
+    def generate(self, ids: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0,
+                 stop_ids: tuple[int, ...] = ()) -> Iterator[int]:
+        """Yield new token ids; `self.last_stats` = (prefill seconds, decode seconds, new tokens)."""
+        rng = np.random.default_rng(seed)
+        t0 = time.perf_counter()
+        logits, past = self.step(np.asarray([ids]), self._empty_past(1), 0)
+        t1 = time.perf_counter()
+        pos, n = len(ids), 0
+        while True:
+            last = logits[0, -1].astype(np.float64)
+            if not np.isfinite(last).all():
+                raise QuantgateError(f"{self.path} produced NaN or Inf logits")
+            if temperature > 0:
+                p = np.exp((last - last.max()) / temperature)
+                tok = int(rng.choice(len(p), p=p / p.sum()))
+            else:
+                tok = int(last.argmax())
+            if tok in stop_ids:
+                break
+            n += 1
+            yield tok
+            if n >= max_tokens:
+                break
+            logits, past = self.step(np.asarray([[tok]]), past, pos)
+            pos += 1
+        self.last_stats = (t1 - t0, time.perf_counter() - t1, n)
+
+    def bench(self, prefill_ids: list[int], decode_ids: list[int], repeats: int = 5) -> dict:
+        """Median seconds to prefill `prefill_ids` in one batch, then decode `decode_ids` one at a time."""
+        pre, dec = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            _, past = self.step(np.asarray([prefill_ids]), self._empty_past(1), 0)
+            t1 = time.perf_counter()
+            pos = len(prefill_ids)
+            for t in decode_ids:
+                _, past = self.step(np.asarray([[t]]), past, pos)
+                pos += 1
+            dec.append(time.perf_counter() - t1)
+            pre.append(t1 - t0)
+        return {"prefill_s": float(np.median(pre)), "decode_s": float(np.median(dec)),
+                "prefill_tps": len(prefill_ids) / float(np.median(pre)),
+                "decode_tps": len(decode_ids) / float(np.median(dec))}
+
+    def close(self) -> None:
+        self.session = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
