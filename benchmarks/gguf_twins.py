@@ -44,13 +44,13 @@ def main() -> None:
     import llama_cpp
 
     from quantgate.calib_data import load_corpus, tokenize_corpus
-    from quantgate.checkpoint import load_checkpoint
+    from quantgate.formats import load_checkpoint
     from quantgate.evaluate import compare_to_reference, eval_windows, reference_logits
     from quantgate.export.gguf import IdentityLayerShape, export_checkpoint
     from quantgate.gate_survival import check_gate_survival
-    from quantgate.gguf_file import inspect_gguf
+    from quantgate.formats import inspect_gguf
     from quantgate.gguf_quantize import quantize_gguf
-    from quantgate.llama_runner import LlamaRunner
+    from quantgate.runners import LlamaRunner
 
     run, work = Path(args.run), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -38,12 +38,12 @@ def main() -> None:
     import torch
 
     from quantgate.calib_data import load_corpus, tokenize_corpus
-    from quantgate.checkpoint import load_checkpoint
+    from quantgate.formats import load_checkpoint
     from quantgate.evaluate import compare_to_reference, eval_windows, reference_logits
     from quantgate.export.onnx import export_checkpoint
     from quantgate.gate_survival import check_gate_survival
     from quantgate.onnx_quantize import quantize_onnx
-    from quantgate.ort_runner import OrtRunner
+    from quantgate.runners import OrtRunner
 
     run, work = Path(args.run), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

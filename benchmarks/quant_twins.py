@@ -32,7 +32,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from quantgate.calib_data import load_corpus, sample_windows, tokenize_corpus
-    from quantgate.checkpoint import load_checkpoint
+    from quantgate.formats import load_checkpoint
     from quantgate.evaluate import compare_to_reference, eval_windows
     from quantgate.metrics import layer_sqnr
     from quantgate.outliers import analyze_model

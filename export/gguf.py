@@ -20,11 +20,11 @@ import torch
 from quantgate import __version__
 from quantgate.errors import QuantgateError
 from quantgate.formats import artifact_kind, inspect_gguf, load_checkpoint
-from quantgate.formats.gguf_layout import (GLOBAL_TENSORS, LAYER_TENSORS, LINEAR_TO_GGUF, POST_ATTENTION_NORM,
-                                           Q_TENSOR, QWEN2_SPLIT, IdentityLayerShape, expected_tensor_names,
-                                           expected_tensor_shapes, gguf_arch, identity_recurrent_layer)
+from quantgate.formats.gguf_layout import (GGUF_ARCHS, GLOBAL_TENSORS, LAYER_TENSORS, LINEAR_TO_GGUF,
+                                           POST_ATTENTION_NORM, Q_TENSOR, QWEN2_SPLIT, IdentityLayerShape, arch_of,
+                                           expected_tensor_names, expected_tensor_shapes, gguf_arch,
+                                           identity_recurrent_layer, rope_sections)
 from quantgate.fsio import atomic_path, check_output
-from quantgate.layouts import _fuse_interleaved
 from quantgate.model import Model
 from quantgate.tokenizer import Tokenizer
 
@@ -33,26 +33,9 @@ from quantgate.tokenizer import Tokenizer
 __all__ = ["export_gguf", "export_checkpoint", "rope_sections", "tokenizer_pre", "tokenizer_fields", "gguf_tensors",
            "GLOBAL_TENSORS", "LAYER_TENSORS", "LINEAR_TO_GGUF", "POST_ATTENTION_NORM", "Q_TENSOR", "QWEN2_SPLIT",
            "IdentityLayerShape", "expected_tensor_names", "expected_tensor_shapes", "gguf_arch",
-           "identity_recurrent_layer"]
+           "identity_recurrent_layer", "GGUF_ARCHS"]
 
 OUTTYPES = ("f32", "f16", "bf16")
-
-
-def rope_sections(rotary_dim: int) -> list[int]:
-    """IMROPE sections that make llama.cpp's qwen35 rope equal NEOX rope over `rotary_dim` channels.
-
-    IMROPE sends frequency pair i to section s % 3 when s = i mod sum(sections) < 3 * sections[s % 3],
-    else to the fourth section (whose position is 0 for text, i.e. no rotation). Every pair must land in
-    the first three sections, whose positions all equal the token position for text.
-    """
-    n = rotary_dim // 2
-    s0, s1 = -(-n // 3), -(-(n - 1) // 3)
-    sections = [s0, s1, n - s0 - s1, 0]
-    for i in range(n):
-        s = i % n
-        if not s < 3 * sections[s % 3]:
-            raise AssertionError(f"rope sections {sections} leave pair {i} unrotated")
-    return sections
 
 
 # --- tokenizer -------------------------------------------------------------------------------------
@@ -105,22 +88,20 @@ def tokenizer_fields(tok: Tokenizer, n_rows: int) -> dict:
 def gguf_tensors(model: Model) -> dict[str, torch.Tensor]:
     """GGUF name -> fp32 tensor for the real layers (name tables of formats.gguf_layout)."""
     cfg, sd = model.cfg, model.state_dict()
-    arch = gguf_arch(cfg)
+    arch = arch_of(cfg)
     out = {}
     for ours, theirs in GLOBAL_TENSORS.items():
         if ours == "lm_head.weight" and cfg.tie_embeddings:
             continue
         out[theirs] = sd[ours]
     for i in range(cfg.n_layers):
-        names = dict(LAYER_TENSORS, **{"post_attention_layernorm.weight": POST_ATTENTION_NORM[arch]})
+        names = dict(LAYER_TENSORS, **{"post_attention_layernorm.weight": arch.post_attention_norm})
         for ours, theirs in names.items():
             key = f"layers.{i}.{ours}"
             if key in sd:
                 out[f"blk.{i}.{theirs}"] = sd[key]
-        q = sd[f"layers.{i}.self_attn.q_proj.weight"]
-        if arch == "qwen35":
-            q = _fuse_interleaved(q, sd[f"layers.{i}.self_attn.g_proj.weight"], cfg)
-        out[f"blk.{i}.{Q_TENSOR}"] = q
+        g = sd.get(f"layers.{i}.self_attn.g_proj.weight")
+        out[f"blk.{i}.{Q_TENSOR}"] = arch.fuse_q(sd[f"layers.{i}.self_attn.q_proj.weight"], g, cfg)
     return {k: v.detach().float().contiguous() for k, v in out.items()}
 
 
@@ -157,20 +138,21 @@ def export_gguf(model: Model, tokenizer: Tokenizer | None, out: str | Path, outt
                              "and quantize the GGUF with `quantgate quantize FILE.gguf --type ...`")
     if not cfg.qk_norm:
         raise QuantgateError("llama.cpp's qwen3/qwen35 graphs always apply QK-norm; models without it cannot be exported")
-    arch = gguf_arch(cfg)
-    if arch == "qwen3" and cfg.partial_rotary != 1.0:
-        raise QuantgateError("llama.cpp's qwen3 rotates the whole head: a baseline with partial rotary cannot be exported")
+    arch = arch_of(cfg)
+    why = arch.cannot_hold(cfg)
+    if why:
+        raise QuantgateError(why)
     check_output(out, "gguf", inputs)
     pre = tokenizer_pre(tokenizer)
     tok = tokenizer_fields(tokenizer, cfg.vocab_size)
     tensors = gguf_tensors(model)
-    n_identity = identity_layers if arch == "qwen35" else 0
+    n_identity = identity_layers if arch.identity_layers else 0
     shape = identity_shape or IdentityLayerShape()
     for k in range(n_identity):
         tensors.update(identity_recurrent_layer(cfg, shape, cfg.n_layers + k))
 
     with atomic_path(out, "gguf") as tmp:
-        w = gguf.GGUFWriter(path=str(tmp), arch=arch)
+        w = gguf.GGUFWriter(path=str(tmp), arch=arch.name)
         w.add_name(name or out.stem)
         w.add_string("quantgate.version", __version__)
         w.add_string("quantgate.gate", cfg.gate)
@@ -190,16 +172,7 @@ def export_gguf(model: Model, tokenizer: Tokenizer | None, out: str | Path, outt
         w.add_layer_norm_rms_eps(cfg.norm_eps)
         w.add_rope_freq_base(cfg.rope_theta)
         w.add_rope_dimension_count(cfg.rotary_dim)
-        if arch == "qwen35":
-            w.add_rope_dimension_sections(rope_sections(cfg.rotary_dim))
-            w.add_ssm_conv_kernel(shape.conv_kernel)
-            w.add_ssm_inner_size(shape.inner)
-            w.add_ssm_state_size(shape.state)
-            w.add_ssm_time_step_rank(shape.heads)
-            w.add_ssm_group_count(shape.groups)
-            w.add_full_attention_interval(1)
-        if n_identity:  # gguf 0.19 has no helper for this key; llama.cpp reads it as a bool array
-            w.add_array(f"{arch}.attention.recurrent_layers", [False] * cfg.n_layers + [True] * n_identity)
+        arch.write_header(w, cfg, shape, n_identity)
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(pre)
         w.add_token_list(tok["tokens"])

@@ -8,7 +8,8 @@
 - `--gate-bits 8`: `attn_q` (q and gate rows, fused in one tensor in qwen35) stays Q8_0 through a
   per-tensor type override while everything else takes `--type`.
 
-llama.cpp runs in a child process (`python -m quantgate.gguf_quantize`): a malformed file may abort it.
+llama.cpp runs in a child process (`python -m quantgate.llama_worker quantize REQUEST`): a malformed file may
+abort it.
 The output is written to a temporary file and renamed.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .calib_data import calibration_windows, check_ctx, data_paths
 from .errors import DiskFull, QuantgateError
 from .formats import load_checkpoint
 from .formats.gguf import inspect_gguf
-from .formats.gguf_layout import LINEAR_TO_GGUF
+from .formats.gguf_layout import GGUF_ARCHS, LINEAR_TO_GGUF
 from .fsio import atomic_path, check_output
 from .quant.schemes import GGUF_FILE_TYPES, NEEDS_IMATRIX, ggml_type, llama_file_type, with_gate_bits
 
@@ -90,7 +91,7 @@ def quantize_gguf(src: str | Path, out: str | Path, qtype: str, imatrix: str | N
     info = inspect_gguf(src)
     if info.file_type not in ("F32", "F16", "BF16"):
         raise QuantgateError(f"{src} is already quantized ({info.file_type}); quantize the F32/F16 export instead")
-    if gate_bits and info.arch != "qwen35":
+    if gate_bits and GGUF_ARCHS[info.arch].read_gate == "none":
         raise QuantgateError(f"{src} has no attention gate (arch {info.arch}): --gate-bits applies to gated models")
     check_output(out, "gguf", (src, *data_paths(calib_data if imatrix else None)))
 
@@ -110,7 +111,8 @@ def quantize_gguf(src: str | Path, out: str | Path, qtype: str, imatrix: str | N
             request["imatrix"] = str(Path(work) / "imatrix.npz")
         (Path(work) / "request.json").write_text(json.dumps(request))
         # its own session: a terminal's Ctrl-C reaches only us, and we stop the child (subprocess.run kills it)
-        proc = subprocess.run([sys.executable, "-m", "quantgate.gguf_quantize", str(Path(work) / "request.json")],
+        proc = subprocess.run([sys.executable, "-m", "quantgate.llama_worker", "quantize",
+                               str(Path(work) / "request.json")],
                               capture_output=True, text=True, start_new_session=True)
         if proc.returncode != 0:
             lines = [ln for ln in (proc.stderr or "").splitlines() if ln.strip()]
@@ -128,48 +130,3 @@ def quantize_gguf(src: str | Path, out: str | Path, qtype: str, imatrix: str | N
             "bytes": out.stat().st_size, "src_bytes": src.stat().st_size,
             "bits_per_weight": round(result.bits_per_weight, 3), "tensor_type_counts": counts,
             "attn_q_types": sorted({t for n, t in result.tensor_types.items() if n.endswith(".attn_q.weight")})}
-
-
-# --- child process ---------------------------------------------------------------------------------
-
-def _child(request_file: str) -> int:
-    """Build llama_model_quantize_params from the request and run llama.cpp's quantizer."""
-    import ctypes
-    import signal
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent stops us
-
-    import llama_cpp
-
-    req = json.loads(Path(request_file).read_text())
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = req["ftype"]
-    params.nthread = req["threads"]
-    keep = []  # ctypes buffers must outlive the call
-    if req["overrides"]:
-        arr = (llama_cpp.llama_model_tensor_override * (len(req["overrides"]) + 1))()
-        for i, (pattern, gtype) in enumerate(req["overrides"]):
-            arr[i].pattern = pattern.encode()
-            arr[i].type = gtype
-        arr[len(req["overrides"])].pattern = None
-        params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
-        keep.append(arr)
-    if req.get("imatrix"):
-        data = dict(np.load(req["imatrix"]))
-        arr = (llama_cpp.llama_model_imatrix_data * (len(data) + 1))()
-        for i, (name, values) in enumerate(data.items()):
-            buf = np.ascontiguousarray(values, dtype=np.float32)
-            keep.append(buf)
-            arr[i].name = name.encode()
-            arr[i].data = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-            arr[i].size = buf.size
-        arr[len(data)].name = None
-        params.imatrix = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
-        keep.append(arr)
-    rc = llama_cpp.llama_model_quantize(req["src"].encode(), req["dst"].encode(), ctypes.byref(params))
-    if rc != 0:
-        print(f"error: llama_model_quantize returned {rc}", file=sys.stderr)
-    return 0 if rc == 0 else 1
-
-
-if __name__ == "__main__":
-    sys.exit(_child(sys.argv[1]))

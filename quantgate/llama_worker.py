@@ -1,14 +1,21 @@
-"""The llama.cpp worker process behind `quantgate.runners.llama.LlamaRunner` (`python -m quantgate.llama_worker`).
+"""llama.cpp's child processes: a malformed file can abort the process llama.cpp runs in, so it never runs in ours.
 
-It imports only llama-cpp-python, numpy and the standard library: the parent checks the file with gguf-py and
-passes the KV-cache type as its ggml_type id, so a spawn does not pay for torch or the rest of quantgate.
+- `python -m quantgate.llama_worker run FD PATH ...`: the worker behind `quantgate.runners.llama.LlamaRunner`,
+  answering requests (logits, tokenize, generate, one bench round) over a socket.
+- `python -m quantgate.llama_worker quantize REQUEST.json`: llama.cpp's quantizer for `quantgate.gguf_quantize`.
+
+It imports only llama-cpp-python, numpy and the standard library: the parents check every file with gguf-py and
+pass plain numbers (ggml_type ids, llama_ftype), so a spawn does not pay for torch or the rest of quantgate.
 """
 from __future__ import annotations
 
+import ctypes
+import json
 import signal
 import sys
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import numpy as np
 
@@ -52,8 +59,8 @@ def _worker(conn, path: str, n_ctx: int, kv: int, flash: bool, threads: int, log
                 conn.send(("ok", llm.tokenize(req[1].encode("utf-8"), add_bos=False, special=False)))
             elif op == "generate":
                 _generate(llm, conn, *req[1:])
-            elif op == "bench":
-                conn.send(("ok", _bench(llm, *req[1:])))
+            elif op == "round":
+                conn.send(("ok", _time_round(llm, *req[1:])))
     finally:
         llm.close()
 
@@ -79,28 +86,61 @@ def _generate(llm, conn, ids: list[int], max_tokens: int, temperature: float, se
                         "decode_s": end - (t_first or end)}))
 
 
-def _bench(llm, prefill_ids: list[int], decode_ids: list[int], repeats: int) -> dict:
-    """Median seconds to prefill `prefill_ids` in one batch and to decode `decode_ids` one at a time."""
-    pre, dec = [], []
-    for _ in range(repeats):
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(prefill_ids)
-        t1 = time.perf_counter()
-        for t in decode_ids:
-            llm.eval([t])
-        t2 = time.perf_counter()
-        pre.append(t1 - t0)
-        dec.append(t2 - t1)
-    return {"prefill_s": float(np.median(pre)), "decode_s": float(np.median(dec)),
-            "prefill_tps": len(prefill_ids) / float(np.median(pre)), "decode_tps": len(decode_ids) / float(np.median(dec))}
+def _time_round(llm, prefill_ids: list[int], decode_ids: list[int]) -> tuple[float, float]:
+    """Seconds to prefill `prefill_ids` in one batch from an empty cache, then decode `decode_ids` one at a time."""
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prefill_ids)
+    t1 = time.perf_counter()
+    for t in decode_ids:
+        llm.eval([t])
+    return t1 - t0, time.perf_counter() - t1
 
 
-def main(argv: list[str]) -> None:
+def quantize_main(request_file: str) -> int:
+    """Build llama_model_quantize_params from the request and run llama.cpp's quantizer."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent stops us
+
+    import llama_cpp  # here, as in _worker: a failing import is reported like any other llama.cpp failure
+
+    req = json.loads(Path(request_file).read_text())
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = req["ftype"]
+    params.nthread = req["threads"]
+    keep = []  # ctypes buffers must outlive the call
+    if req["overrides"]:
+        arr = (llama_cpp.llama_model_tensor_override * (len(req["overrides"]) + 1))()
+        for i, (pattern, gtype) in enumerate(req["overrides"]):
+            arr[i].pattern = pattern.encode()
+            arr[i].type = gtype
+        arr[len(req["overrides"])].pattern = None
+        params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
+        keep.append(arr)
+    if req.get("imatrix"):
+        data = dict(np.load(req["imatrix"]))
+        arr = (llama_cpp.llama_model_imatrix_data * (len(data) + 1))()
+        for i, (name, values) in enumerate(data.items()):
+            buf = np.ascontiguousarray(values, dtype=np.float32)
+            keep.append(buf)
+            arr[i].name = name.encode()
+            arr[i].data = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            arr[i].size = buf.size
+        arr[len(data)].name = None
+        params.imatrix = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
+        keep.append(arr)
+    rc = llama_cpp.llama_model_quantize(req["src"].encode(), req["dst"].encode(), ctypes.byref(params))
+    if rc != 0:
+        print(f"error: llama_model_quantize returned {rc}", file=sys.stderr)
+    return 0 if rc == 0 else 1
+
+
+def run_main(argv: list[str]) -> None:
     fd, path, n_ctx, kv, flash, threads, logits_all, gpu = argv
     _worker(Connection(int(fd)), path, int(n_ctx), int(kv), bool(int(flash)), int(threads), bool(int(logits_all)),
             int(gpu))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1] == "quantize":
+        sys.exit(quantize_main(sys.argv[2]))
+    run_main(sys.argv[2:])

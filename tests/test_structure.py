@@ -144,3 +144,76 @@ def test_old_paths_give_the_same_objects():
              ("quantgate.export.gguf", "LINEAR_TO_GGUF", "quantgate.formats.gguf_layout")]
     for old, name, new in pairs:
         assert getattr(importlib.import_module(old), name) is getattr(importlib.import_module(new), name), (old, name)
+
+
+# --- the report only reads results ---------------------------------------------------------------------------
+
+# what the report package may take from outside itself: the functions the CLI's verbs call, the registry, the
+# runners' public interface, and the plumbing (errors, files, identity, progress, text sources)
+REPORT_MAY_USE = {
+    "quantgate": {"__version__"},
+    "quantgate.quant": {"SCHEMES", "SCOPES", "get", "plain_of"},
+    "quantgate.quant.build": {"CalibSettings", "quantize"},                   # quantgate quantize
+    "quantgate.export.gguf": {"export_checkpoint"},                          # quantgate export gguf
+    "quantgate.export.onnx": {"export_checkpoint"},                          # quantgate export onnx
+    "quantgate.evaluate": {"evaluate_model"},                                # quantgate eval
+    "quantgate.analyze": {"analyze", "plot_reports", "save_figure"},         # quantgate analyze
+    "quantgate.gate_survival": {"check_gate_survival"},                      # quantgate analyze --reference
+    "quantgate.info": {"model_info"},                                        # quantgate info
+    "quantgate.formats": {"inspect_gguf", "load_checkpoint"},
+    "quantgate.runners": {"LlamaRunner", "OrtRunner", "TorchRunner"},
+    "quantgate.runners.bench": {"bench"},
+}
+REPORT_PLUMBING = {"quantgate.calib_data", "quantgate.errors", "quantgate.fsio", "quantgate.identity",
+                   "quantgate.progress"}
+
+
+def test_the_report_imports_no_exporter_or_quantizer_internals():
+    """The report builds its artifacts with the functions `quantgate quantize` / `export` call and reads results;
+    it reaches into no quantizer's or exporter's module beyond them, and into nothing private."""
+    bad = []
+    for m in (m for m in MODULES if m == "quantgate.report" or m.startswith("quantgate.report.")):
+        for target, _top, names in _imports(m):
+            if target.startswith("quantgate.report") or target in REPORT_PLUMBING:
+                continue
+            allowed = REPORT_MAY_USE.get(target)
+            extra = sorted(set(names) - allowed) if allowed is not None else [target]
+            bad += [f"{m}: {target}.{n}" for n in extra]
+    assert bad == [], bad
+
+
+# --- the public API ------------------------------------------------------------------------------------------
+
+def test_public_api_resolves_and_shadows_no_submodule():
+    import quantgate
+    submodules = {m.split(".")[1] for m in MODULES if m.count(".") >= 1}
+    assert not set(quantgate.API) & submodules, set(quantgate.API) & submodules
+    for name, (module, attr) in quantgate.API.items():
+        import importlib
+        assert getattr(quantgate, name) is getattr(importlib.import_module(module), attr), name
+    assert set(quantgate.__all__) == {"__version__", *quantgate.API}
+
+
+# --- formats as rows -----------------------------------------------------------------------------------------
+
+def test_every_gguf_tensor_quantgate_writes_is_one_gguf_py_lists_for_its_arch():
+    """The writer's and reader's names come from gguf-py's tables: each name a file of either architecture holds
+    is among the tensors gguf-py's MODEL_TENSORS gives that architecture (what llama.cpp's loader looks up)."""
+    from quantgate.formats.gguf_layout import GGUF_ARCHS, arch_tensors, expected_tensor_names
+    for name in GGUF_ARCHS:
+        known = arch_tensors(name)
+        identity = 1 if GGUF_ARCHS[name].identity_layers else 0
+        written = {n.split(".", 2)[-1] if n.startswith("blk.") else n for n in
+                   expected_tensor_names(name, n_layers=2, tied=False, identity=identity)}
+        assert {n.rsplit(".", 1)[0] if n.endswith((".weight", ".bias")) else n for n in written} <= known, name
+
+
+def test_layouts_recognise_the_config_they_write():
+    """Each layout row reads back as itself from the config.json keys it writes (no name tests in between)."""
+    from quantgate.formats.hf import config_to_hf
+    from quantgate.layouts import DEFAULT_LAYOUT_FOR_GATE, LAYOUTS, detect_layout
+    from quantgate.model import preset
+    for gate, name in DEFAULT_LAYOUT_FOR_GATE.items():
+        cfg = preset("tiny", gate=gate)
+        assert detect_layout(config_to_hf(cfg, LAYOUTS[name])) == name
+    assert detect_layout(config_to_hf(preset("tiny", gate="elementwise"), LAYOUTS["official"])) == "official"

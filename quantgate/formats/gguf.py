@@ -19,11 +19,10 @@ from gguf.quants import dequantize
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import QuantgateError
-from ..layouts import _split_interleaved
 from ..model import Model, ModelConfig
 from ..quant.schemes import llama_file_type_name
 from ..tokenizer import Tokenizer
-from .gguf_layout import (GLOBAL_TENSORS, LAYER_TENSORS, POST_ATTENTION_NORM, Q_TENSOR, QWEN2_SPLIT, SUPPORTED_ARCHS,
+from .gguf_layout import (GGUF_ARCHS, GLOBAL_TENSORS, LAYER_TENSORS, Q_TENSOR, QWEN2_SPLIT, SUPPORTED_ARCHS,
                           expected_tensor_names, expected_tensor_shapes)
 from .hf import Loaded, check_fits_in_memory
 
@@ -186,8 +185,9 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
     n_bytes = sum(int(t.n_bytes) for t in reader.tensors)
     meta = {"name": m.str("general.name"), "quantgate_version": m.str("quantgate.version"),
             "_bits_per_weight": 8 * n_bytes / max(n_weights, 1)}
-    gate = m.str("quantgate.gate", "none" if arch == "qwen3" else "elementwise")
-    if gate not in (("none",) if arch == "qwen3" else ("headwise", "elementwise")):
+    row = GGUF_ARCHS[arch]
+    gate = m.str("quantgate.gate", row.read_gate)
+    if gate not in row.exported_gates:
         raise QuantgateError(f"{path}: metadata quantgate.gate {gate!r} does not fit arch {arch}")
     return GGUFInfo(
         path=path, arch=arch, n_layers=n_layers, n_blocks=n_blocks, vocab_size=emb_rows, n_embd=n_embd,
@@ -341,7 +341,7 @@ def load_gguf_model(path: str | Path):
     try:
         cfg = ModelConfig(vocab_size=info.vocab_size, dim=info.n_embd, n_layers=info.n_layers, n_heads=info.n_heads,
                           n_kv_heads=info.n_kv_heads, head_dim=info.head_dim,
-                          ffn_dim=info.ffn_dim, gate="none" if arch == "qwen3" else "elementwise",
+                          ffn_dim=info.ffn_dim, gate=GGUF_ARCHS[arch].read_gate,
                           rope_theta=info.rope_base, partial_rotary=info.rotary_dim / info.head_dim,
                           qk_norm="blk.0.attn_q_norm.weight" in names, tie_embeddings="output.weight" not in names,
                           norm_eps=info.norm_eps, max_seq_len=info.context_length,
@@ -356,14 +356,14 @@ def load_gguf_model(path: str | Path):
     for ours, theirs in GLOBAL_TENSORS.items():
         if theirs in names:
             sd[ours] = read_tensor(reader, theirs)
-    layer_names = dict(LAYER_TENSORS, **{"post_attention_layernorm.weight": POST_ATTENTION_NORM[arch]})
+    row = GGUF_ARCHS[arch]
+    layer_names = dict(LAYER_TENSORS, **{"post_attention_layernorm.weight": row.post_attention_norm})
     for i in range(cfg.n_layers):
         for ours, theirs in layer_names.items():
             if f"blk.{i}.{theirs}" in names:
                 sd[f"layers.{i}.{ours}"] = read_tensor(reader, f"blk.{i}.{theirs}")
-        q = torch.from_numpy(read_tensor(reader, f"blk.{i}.{Q_TENSOR}"))
-        if arch == "qwen35":
-            q, g = _split_interleaved(q, cfg)
+        q, g = row.split_q(torch.from_numpy(read_tensor(reader, f"blk.{i}.{Q_TENSOR}")), cfg)
+        if g is not None:
             sd[f"layers.{i}.self_attn.g_proj.weight"] = g.contiguous()
         sd[f"layers.{i}.self_attn.q_proj.weight"] = q.contiguous()
     expected = model.state_dict()

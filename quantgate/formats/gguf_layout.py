@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
 
+from ..layouts import _fuse_interleaved, _split_interleaved
 from ..model import ModelConfig
 
 ARCHS = {"baseline": MODEL_ARCH.QWEN3, "gated": MODEL_ARCH.QWEN35}  # gated: every real layer full attention
@@ -45,8 +46,6 @@ LAYER_TENSORS = {  # ours (under layers.{i}.) -> GGUF (under blk.{i}.), both arc
     "mlp.up_proj.weight": tensor_name(MODEL_TENSOR.FFN_UP),
     "mlp.down_proj.weight": tensor_name(MODEL_TENSOR.FFN_DOWN),
 }
-POST_ATTENTION_NORM = {ARCH_NAMES["baseline"]: tensor_name(MODEL_TENSOR.FFN_NORM),
-                       ARCH_NAMES["gated"]: tensor_name(MODEL_TENSOR.ATTN_POST_NORM)}
 Q_TENSOR = tensor_name(MODEL_TENSOR.ATTN_Q)  # qwen3: q rows; qwen35: per head [q_h | gate_h]
 
 # ours -> the GGUF tensor whose input is that Linear's input (for importance matrices and gate checks)
@@ -111,6 +110,98 @@ def identity_recurrent_layer(cfg: ModelConfig, shape: IdentityLayerShape, i: int
     return {f"blk.{i}.{n}": t for n, t in zip(IDENTITY_TENSORS, tensors)}
 
 
+# --- the architectures, one row each ---------------------------------------------------------------------------
+
+def rope_sections(rotary_dim: int) -> list[int]:
+    """IMROPE sections that make llama.cpp's qwen35 rope equal NEOX rope over `rotary_dim` channels.
+
+    IMROPE sends frequency pair i to section s % 3 when s = i mod sum(sections) < 3 * sections[s % 3],
+    else to the fourth section (whose position is 0 for text, i.e. no rotation). Every pair must land in
+    the first three sections, whose positions all equal the token position for text.
+    """
+    n = rotary_dim // 2
+    s0, s1 = -(-n // 3), -(-(n - 1) // 3)
+    sections = [s0, s1, n - s0 - s1, 0]
+    for i in range(n):
+        s = i % n
+        if not s < 3 * sections[s % 3]:
+            raise AssertionError(f"rope sections {sections} leave pair {i} unrotated")
+    return sections
+
+
+class GgufArch:
+    """One llama.cpp architecture quantgate writes and reads, a row carrying its behaviour (convert_hf_to_gguf.py's
+    per-architecture classes): which of our models it holds, how q and gate rows sit in `attn_q`, its norm names,
+    the header keys of its own, and what a file of it reads back as. Writer and reader ask the row."""
+    name: str
+    post_attention_norm: str
+    exported_gates: tuple[str, ...]   # quantgate.gate values a file of this arch may carry
+    read_gate: str                    # our gate mode for a model read back from it
+    identity_layers: bool = False     # whether the file carries the identity recurrent layer(s)
+
+    def cannot_hold(self, cfg: ModelConfig) -> str | None:
+        return None
+
+    def q_rows(self, n_heads: int, head_dim: int) -> int:
+        return n_heads * head_dim
+
+    def fuse_q(self, q: torch.Tensor, g: torch.Tensor | None, cfg: ModelConfig) -> torch.Tensor:
+        return q
+
+    def split_q(self, q: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return q, None
+
+    def write_header(self, w, cfg: ModelConfig, shape: IdentityLayerShape, n_identity: int) -> None:
+        """The header keys only this architecture has (`w`: gguf-py's GGUFWriter)."""
+
+
+class Qwen3Arch(GgufArch):
+    name, post_attention_norm = ARCH_NAMES["baseline"], tensor_name(MODEL_TENSOR.FFN_NORM)
+    exported_gates, read_gate = ("none",), "none"
+
+    def cannot_hold(self, cfg: ModelConfig) -> str | None:
+        if cfg.partial_rotary != 1.0:
+            return "llama.cpp's qwen3 rotates the whole head: a baseline with partial rotary cannot be exported"
+        return None
+
+
+class Qwen35Arch(GgufArch):
+    """Qwen3.5's text decoder with every real layer full attention: llama.cpp's graph splits `attn_q` per head
+    into [q_h | gate_h] and multiplies attention by sigmoid(gate) before `attn_output` (DESIGN section 3)."""
+    name, post_attention_norm = ARCH_NAMES["gated"], tensor_name(MODEL_TENSOR.ATTN_POST_NORM)
+    exported_gates, read_gate = ("headwise", "elementwise"), "elementwise"  # llama.cpp's gate is elementwise
+    identity_layers = True
+
+    def q_rows(self, n_heads: int, head_dim: int) -> int:
+        return 2 * n_heads * head_dim
+
+    def fuse_q(self, q: torch.Tensor, g: torch.Tensor | None, cfg: ModelConfig) -> torch.Tensor:
+        return _fuse_interleaved(q, g, cfg)  # a headwise gate becomes hd equal rows per head
+
+    def split_q(self, q: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return _split_interleaved(q, cfg)
+
+    def write_header(self, w, cfg: ModelConfig, shape: IdentityLayerShape, n_identity: int) -> None:
+        w.add_rope_dimension_sections(rope_sections(cfg.rotary_dim))
+        w.add_ssm_conv_kernel(shape.conv_kernel)
+        w.add_ssm_inner_size(shape.inner)
+        w.add_ssm_state_size(shape.state)
+        w.add_ssm_time_step_rank(shape.heads)
+        w.add_ssm_group_count(shape.groups)
+        w.add_full_attention_interval(1)
+        if n_identity:  # gguf 0.19 has no helper for this key; llama.cpp reads it as a bool array
+            w.add_array(f"{self.name}.attention.recurrent_layers", [False] * cfg.n_layers + [True] * n_identity)
+
+
+GGUF_ARCHS: dict[str, GgufArch] = {a.name: a for a in (Qwen3Arch(), Qwen35Arch())}
+POST_ATTENTION_NORM = {name: a.post_attention_norm for name, a in GGUF_ARCHS.items()}
+
+
+def arch_of(cfg: ModelConfig) -> GgufArch:
+    """The row our model is written as: a baseline as qwen3, a gated model as qwen35."""
+    return GGUF_ARCHS[gguf_arch(cfg)]
+
+
 def expected_tensor_names(arch: str, n_layers: int, tied: bool, identity: int) -> set[str]:
     """Every tensor a file of this shape holds (what the exporter writes and llama.cpp's loader wants)."""
     names = {GLOBAL_TENSORS["embed_tokens.weight"], GLOBAL_TENSORS["norm.weight"]}
@@ -128,7 +219,7 @@ def expected_tensor_shapes(arch: str, n_layers: int, identity: int, hp: dict) ->
     V, D, H, KV, hd, F = (hp[k] for k in ("vocab", "dim", "heads", "kv_heads", "head_dim", "ffn"))
     g = GLOBAL_TENSORS
     shapes = {g["embed_tokens.weight"]: (V, D), g["norm.weight"]: (D,), g["lm_head.weight"]: (V, D)}
-    q_rows = 2 * H * hd if arch == ARCH_NAMES["gated"] else H * hd
+    q_rows = GGUF_ARCHS[arch].q_rows(H, hd)
     ours = {"input_layernorm.weight": (D,), "self_attn.k_proj.weight": (KV * hd, D),
             "self_attn.v_proj.weight": (KV * hd, D), "self_attn.o_proj.weight": (D, H * hd),
             "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,), "mlp.gate_proj.weight": (F, D),

@@ -101,21 +101,15 @@ def config_from_hf(hf: dict, path: Path) -> tuple[ModelConfig, Layout]:
     L = f.int("num_hidden_layers", hi=MAX_LAYERS)
     H = f.int("num_attention_heads", hi=MAX_DIM)
     # absent fields take transformers' own defaults for that model_type
-    hd = f.int("head_dim", 256 if layout_name == "qwen3_next" else 128, hi=MAX_DIM)
+    hd = f.int("head_dim", layout.default_head_dim, hi=MAX_DIM)
     if hf.get("rope_scaling"):
         raise QuantgateError(f"{where}: rope_scaling {json.dumps(hf['rope_scaling'])[:60]} is not supported")
     if hf.get("attention_bias") or hf.get("qkv_bias"):
         raise QuantgateError(f"{where}: attention biases are not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise QuantgateError(f"{where}: hidden_act {json.dumps(hf['hidden_act'])[:40]} is not supported")
-    if layout_name == "qwen3_next":
-        _check_dense_full_attention(hf, L, path)
-        gate = "elementwise"
-    elif layout_name == "official":
-        gate = "headwise" if f.bool("headwise_attn_output_gate", False) else "elementwise"
-        f.bool("elementwise_attn_output_gate", False)
-    else:
-        gate = "none"
+    layout.check_config(hf, f, L, where)
+    gate = layout.gate_of(f)
     eos = f.token("eos_token_id", 1)
     extra = hf.get("quantgate", {})
     if not isinstance(extra, dict):
@@ -126,7 +120,7 @@ def config_from_hf(hf: dict, path: Path) -> tuple[ModelConfig, Layout]:
             n_kv_heads=f.int("num_key_value_heads", H, hi=MAX_DIM), head_dim=hd,
             ffn_dim=f.int("intermediate_size", hi=MAX_DIM * 8), gate=gate,
             rope_theta=f.float("rope_theta", 10000.0),
-            partial_rotary=f.float("partial_rotary_factor", 0.25, hi=1.0) if layout_name == "qwen3_next" else 1.0,
+            partial_rotary=layout.partial_rotary(f),
             qk_norm=f.bool("use_qk_norm", True), tie_embeddings=f.bool("tie_word_embeddings", False),
             norm_eps=f.float("rms_norm_eps", 1e-6, hi=1.0),
             max_seq_len=f.int("max_position_embeddings", 2048, hi=MAX_CONTEXT),
@@ -164,24 +158,6 @@ def available_memory() -> int | None:
         return None
 
 
-def _check_dense_full_attention(hf: dict, L: int, path: Path) -> None:
-    where = f"{path}/config.json"
-    types = hf.get("layer_types") or []
-    if not isinstance(types, list) or len(types) != L or any(t != "full_attention" for t in types):
-        raise QuantgateError(f"{where}: only all-full-attention Qwen3-Next is supported "
-                             f"(layer_types must list {L} 'full_attention' layers; linear-attention hybrids are not "
-                             f"supported yet)")
-    mlp_only = hf.get("mlp_only_layers") or []
-    if not isinstance(mlp_only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):
-        raise QuantgateError(f"{where}: mlp_only_layers must be a list of layer indices")
-    f = HFFields(hf, where)
-    n_exp, step = f.int("num_experts", 0, lo=0), f.int("decoder_sparse_step", 1)
-    moe = [i for i in range(L) if i not in set(mlp_only) and n_exp > 0 and (i + 1) % step == 0]
-    if moe:
-        raise QuantgateError(f"{where}: mixture-of-experts layers {moe[:8]} are not supported "
-                             f"(dense models only: mlp_only_layers must cover every layer)")
-
-
 def config_to_hf(cfg: ModelConfig, layout: Layout) -> dict:
     hf = {
         "architectures": [layout.architecture], "model_type": layout.model_type,
@@ -193,15 +169,7 @@ def config_to_hf(cfg: ModelConfig, layout: Layout) -> dict:
         "attention_dropout": 0.0, "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id,
         "pad_token_id": cfg.pad_id, "torch_dtype": "float32", "use_cache": True,
     }
-    if layout.name == "qwen3":
-        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
-    elif layout.name == "official":
-        hf.update(headwise_attn_output_gate=cfg.gate == "headwise",
-                  elementwise_attn_output_gate=cfg.gate == "elementwise",
-                  use_qk_norm=cfg.qk_norm, qkv_bias=False, use_sliding_window=False, sliding_window=None)
-    else:
-        hf.update(partial_rotary_factor=cfg.partial_rotary, layer_types=["full_attention"] * cfg.n_layers,
-                  mlp_only_layers=list(range(cfg.n_layers)), num_experts=0, decoder_sparse_step=1)
+    hf.update(layout.config_fields(cfg))
     hf["quantgate"] = {"version": __version__, "gate": cfg.gate,
                        **{k: v for k, v in cfg.extra.items() if k != "source_layout"},
                        "source_layout": cfg.extra.get("source_layout", "quantgate")}
@@ -405,12 +373,9 @@ def save_checkpoint(model: Model, out: str | Path, tokenizer: Tokenizer | None =
     if name not in LAYOUTS:
         raise QuantgateError(f"unknown layout {name!r}; choose from {sorted(LAYOUTS)}")
     lay = LAYOUTS[name]
-    if (cfg.gate == "none") != (name == "qwen3"):
-        raise QuantgateError(f"a model with gate '{cfg.gate}' cannot be written in the {name} layout")
-    if name != "qwen3_next" and cfg.partial_rotary != 1.0:
-        raise QuantgateError(f"partial rotary ({cfg.partial_rotary}) can only be written in the qwen3_next layout")
-    if name != "official" and not cfg.qk_norm:
-        raise QuantgateError("a model without QK-norm can only be written in the official layout")
+    why = lay.cannot_hold(cfg)
+    if why:
+        raise QuantgateError(why)
     check_output(out, "checkpoint", inputs)
     tensors = write_state_dict(model, lay)
     with atomic_dir(out, "checkpoint") as tmp:

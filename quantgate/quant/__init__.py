@@ -1,15 +1,27 @@
-"""Quantization schemes of every backend in one registry (`quantgate.quant.build.quantize` applies one).
+"""Quantization schemes of every backend in one registry, and one `quantize(source, scheme, out)`.
 
-    from quantgate.quant import get
-    from quantgate.quant.build import quantize
+    from quantgate.quant import get, quantize
     quantize("runs/a/gated.gguf", get("gguf", "Q4_K_M+gate8"), "gated-q4.gguf")
 
-This package's `__init__` holds only the registry, which every layer reads (the GGUF reader for llama.cpp's
-type names, the PyTorch simulation for its scheme type); the builders sit above the formats and runners they
-use, in `quant.build`, so importing the registry never imports them.
+The registry (`schemes`) is read at every layer: the GGUF reader for llama.cpp's type names, the PyTorch
+simulation (`simulate`) for its scheme type. The builders `quantize` dispatches to sit above the formats and
+runners they use (`build`), so this package loads `quantize` and `CalibSettings` from `build` on first use
+(PEP 562), and importing the registry never imports the builders.
 """
-from .schemes import (SCHEMES, SCOPES, GgufScheme, KeepAt, OnnxScheme, TorchaoScheme, TorchScheme, get, listing, names,
-                      plain_of, with_gate_bits)
+from __future__ import annotations
 
-__all__ = ["SCHEMES", "SCOPES", "GgufScheme", "KeepAt", "OnnxScheme", "TorchScheme", "TorchaoScheme",
-           "get", "listing", "names", "plain_of", "with_gate_bits"]
+import importlib
+
+from .schemes import (SCHEMES, SCOPES, GgufScheme, KeepAt, OnnxScheme, TorchaoScheme, TorchScheme, get, listing,
+                      names, plain_of, with_gate_bits)
+
+BUILD_NAMES = ("CalibSettings", "quantize")  # quantgate.quant.build's, loaded on first use
+
+__all__ = ["SCHEMES", "SCOPES", "CalibSettings", "GgufScheme", "KeepAt", "OnnxScheme", "TorchScheme", "TorchaoScheme",
+           "get", "listing", "names", "plain_of", "quantize", "with_gate_bits"]
+
+
+def __getattr__(name: str):
+    if name in BUILD_NAMES:
+        return getattr(importlib.import_module("quantgate.quant.build"), name)
+    raise AttributeError(f"module 'quantgate.quant' has no attribute {name!r}")

@@ -1,8 +1,9 @@
 """One runner interface for every backend: token ids in, logits for every position out.
 
 Metrics and reports only see `Runner`; the PyTorch (`runners.pytorch`), ONNX Runtime (`runners.ort`) and
-llama.cpp (`runners.llama`) runners implement the same two members. Logits are float32 numpy arrays so
-backends compare without framework conversions.
+llama.cpp (`runners.llama`) runners implement the same members: `logits(windows)`, `time_round(prefill, decode)`
+for the one bench protocol (`runners.bench`), and `close()`. Logits are float32 numpy arrays so backends compare
+without framework conversions.
 """
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from typing import Protocol
 
 import numpy as np
 
+from .bench import bench
 from .device import cuda_index, torch_device
 from .llama import GenerationStats, LlamaRunner
 from .ort import OrtRunner
 from .pytorch import TorchRunner
 
-__all__ = ["Runner", "TorchRunner", "OrtRunner", "LlamaRunner", "GenerationStats", "cuda_index", "torch_device"]
+__all__ = ["Runner", "bench", "TorchRunner", "OrtRunner", "LlamaRunner", "GenerationStats", "cuda_index", "torch_device"]
 
 
 class Runner(Protocol):

@@ -1,7 +1,7 @@
 """Run GGUF files in stock llama.cpp (through llama-cpp-python), in a worker process.
 
 llama.cpp stops the whole process with GGML_ASSERT/abort on some malformed or unsupported files, so
-the model lives in a child process (`python -m quantgate.llama_worker`, a module that imports only
+the model lives in a child process (`python -m quantgate.llama_worker run`, a module that imports only
 llama-cpp-python and numpy, so nothing of the caller's __main__ is re-imported and a spawn stays quick) and the parent talks to it over a socket pair: if the child dies, the parent
 raises one QuantgateError quoting llama.cpp's last stderr line and carries on. Every file is checked with gguf-py first
 (`formats.gguf.inspect_gguf`).
@@ -27,6 +27,7 @@ import numpy as np
 from ..errors import QuantgateError
 from ..formats.gguf import GGUFInfo, inspect_gguf
 from ..quant.schemes import GGUF_KV_TYPES, ggml_type
+from .bench import bench
 from .device import cuda_index
 
 KV_TYPES = {k: ggml_type(k) for k in GGUF_KV_TYPES}  # KV-cache type -> ggml_type id (gguf-py's enum)
@@ -73,7 +74,7 @@ class LlamaRunner:
         threads = threads or min(os.cpu_count() or 1, 8)
         parent, child = socket.socketpair()
         self._stderr = tempfile.TemporaryFile()
-        cmd = [sys.executable, "-m", "quantgate.llama_worker", str(child.fileno()), str(path), str(n_ctx),
+        cmd = [sys.executable, "-m", "quantgate.llama_worker", "run", str(child.fileno()), str(path), str(n_ctx),
                str(KV_TYPES[kv_type]), str(int(kv_type in QUANTIZED_KV)), str(threads), str(int(logits_all)),
                str(-1 if gpu is None else gpu)]
         self._proc = subprocess.Popen(cmd, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
@@ -141,9 +142,16 @@ class LlamaRunner:
         except (EOFError, ConnectionResetError, OSError):
             raise self._died("generating with") from None
 
-    def bench(self, prefill_ids: list[int], decode_ids: list[int], repeats: int = 5) -> dict:
-        self._conn.send(("bench", list(prefill_ids), list(decode_ids), repeats))
-        return self._recv("benchmarking")
+    def time_round(self, prefill_ids: list[int], decode_ids: list[int]) -> tuple[float, float]:
+        """One round of the bench protocol (quantgate.runners.bench), timed inside the worker: prefill, then
+        decode one token at a time."""
+        self._conn.send(("round", list(prefill_ids), list(decode_ids)))
+        pre, dec = self._recv("benchmarking")
+        return pre, dec
+
+    def bench(self, prefill_ids: list[int], decode_ids: list[int], repeats: int = 5, warmup: int = 0) -> dict:
+        """Medians over `repeats` rounds of `time_round` (quantgate.runners.bench)."""
+        return bench([self], prefill_ids, decode_ids, rounds=repeats, warmup=warmup)[0]
 
     def close(self, at_once: bool = False) -> None:
         """Ask the worker to finish; `at_once` (an error or Ctrl-C in the parent, the worker possibly busy in a long

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import QuantgateError
 from ..formats.onnx_io import check_graph, read_meta, resolve_onnx
+from .bench import bench
 from .device import cuda_index
 
 
@@ -123,22 +124,21 @@ class OrtRunner:
             pos += 1
         self.last_stats = (t1 - t0, time.perf_counter() - t1, n)
 
-    def bench(self, prefill_ids: list[int], decode_ids: list[int], repeats: int = 5) -> dict:
-        """Median seconds to prefill `prefill_ids` in one batch, then decode `decode_ids` one at a time."""
-        pre, dec = [], []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            _, past = self.step(np.asarray([prefill_ids]), self._empty_past(1), 0)
-            t1 = time.perf_counter()
-            pos = len(prefill_ids)
-            for t in decode_ids:
-                _, past = self.step(np.asarray([[t]]), past, pos)
-                pos += 1
-            dec.append(time.perf_counter() - t1)
-            pre.append(t1 - t0)
-        return {"prefill_s": float(np.median(pre)), "decode_s": float(np.median(dec)),
-                "prefill_tps": len(prefill_ids) / float(np.median(pre)),
-                "decode_tps": len(decode_ids) / float(np.median(dec))}
+    def time_round(self, prefill_ids: list[int], decode_ids: list[int]) -> tuple[float, float]:
+        """Seconds to prefill `prefill_ids` in one batch from an empty cache, then decode `decode_ids` one at a
+        time (the runners' bench protocol, quantgate.runners.bench)."""
+        t0 = time.perf_counter()
+        _, past = self.step(np.asarray([prefill_ids]), self._empty_past(1), 0)
+        t1 = time.perf_counter()
+        pos = len(prefill_ids)
+        for t in decode_ids:
+            _, past = self.step(np.asarray([[t]]), past, pos)
+            pos += 1
+        return t1 - t0, time.perf_counter() - t1
+
+    def bench(self, prefill_ids: list[int], decode_ids: list[int], repeats: int = 5, warmup: int = 0) -> dict:
+        """Medians over `repeats` rounds of `time_round` (quantgate.runners.bench)."""
+        return bench([self], prefill_ids, decode_ids, rounds=repeats, warmup=warmup)[0]
 
     def close(self) -> None:
         self.session = None

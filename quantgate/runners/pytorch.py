@@ -1,10 +1,13 @@
 """Our PyTorch model behind the Runner interface (float or simulated-quantized alike)."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
 from ..model import Model
+from .bench import bench
 from .device import torch_device
 
 
@@ -23,3 +26,25 @@ class TorchRunner:
             idx = torch.as_tensor(windows[i:i + self.batch_size], device=self.device)
             out.append(self.model(idx).float().cpu().numpy())  # fp32 whatever the model's dtype
         return np.concatenate(out, axis=0)
+
+    @torch.inference_mode()
+    def time_round(self, prefill_ids: list[int], decode_ids: list[int]) -> tuple[float, float]:
+        """Seconds to prefill `prefill_ids` in one batch from an empty KV cache, then decode `decode_ids` one at a
+        time on it (the runners' bench protocol, quantgate.runners.bench)."""
+        m, dev = self.model, self.device
+        t0 = time.perf_counter()
+        out = m(torch.tensor([prefill_ids], device=dev), past=[None] * m.cfg.n_layers)
+        if dev != "cpu":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        past, pos = out["past"], len(prefill_ids)
+        for t in decode_ids:
+            out = m(torch.tensor([[t]], device=dev), past=past, start_pos=pos)
+            past, pos = out["past"], pos + 1
+        if dev != "cpu":
+            torch.cuda.synchronize()
+        return t1 - t0, time.perf_counter() - t1
+
+    def bench(self, prefill_ids: list[int], decode_ids: list[int], repeats: int = 5, warmup: int = 0) -> dict:
+        """Medians over `repeats` rounds of `time_round` (quantgate.runners.bench)."""
+        return bench([self], prefill_ids, decode_ids, rounds=repeats, warmup=warmup)[0]

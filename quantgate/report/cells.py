@@ -1,0 +1,161 @@
+"""One cell = one twin x backend x scheme: its artifact built by the functions `quantgate quantize` and `quantgate
+export` call, scored against the twin's float logits, timed by the runners' one bench protocol, and cached."""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+from ..errors import DiskFull, QuantgateError
+from ..evaluate import evaluate_model
+from ..export.gguf import export_checkpoint as export_gguf
+from ..export.onnx import export_checkpoint as export_onnx
+from ..formats import inspect_gguf, load_checkpoint
+from ..fsio import interrupts, write_json
+from ..gate_survival import check_gate_survival
+from ..identity import key as ident_key
+from ..info import model_info
+from ..progress import console
+from ..quant import get as registry_get
+from ..quant.build import CalibSettings, quantize
+from ..runners import LlamaRunner, OrtRunner, TorchRunner
+from ..runners.bench import bench
+from .settings import BENCH_TOKENS, GATE_SURVIVAL_WINDOWS, Identity, ReportSettings
+
+BENCH_ROUNDS = 3  # timed rounds per artifact (after one warm-up round), medians reported
+PREFILL = 128     # the speed runs prefill this many tokens, then decode the rest of BENCH_TOKENS one at a time
+
+
+class Artifacts:
+    """Exported and quantized files under OUT/artifacts, each reused only while the key of what produced it
+    (recorded in artifacts/keys.json once it is complete) still matches; otherwise it is built again."""
+
+    def __init__(self, root: Path):
+        self.root, self.file = root, root / "keys.json"
+        self.keys: dict = {}
+        if self.file.is_file():
+            with contextlib.suppress(ValueError, OSError):
+                d = json.loads(self.file.read_text())
+                self.keys = d if isinstance(d, dict) else {}
+        self.log: dict[str, dict] = {}
+
+    def get(self, path: Path, k: str, build) -> Path:
+        rel = path.relative_to(self.root).as_posix()
+        if self.keys.get(rel) == k and path.exists():
+            self.log.setdefault(rel, {"key": k, "built": False})  # built earlier in this run stays "built"
+            return path
+        build(path)
+        self.keys[rel] = k
+        self.log[rel] = {"key": k, "built": True}
+        write_json(self.file, self.keys)
+        return path
+
+
+def cached(path: Path, k: str, compute, label: str, timings: dict) -> dict:
+    """`compute()`'s dict, stored at `path` with its key; a later run with the same key reads it back."""
+    if path.is_file():
+        try:
+            d = json.loads(path.read_text())
+            if isinstance(d, dict) and d.get("_key") == k:
+                timings[label] = 0.0
+                return d
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            pass
+    t0 = time.time()
+    console.print(f"[bold]{label}[/bold] ...")
+    d = compute()
+    d["_key"], d["_seconds"] = k, round(time.time() - t0, 2)
+    timings[label] = d["_seconds"]
+    write_json(path, d)
+    return d
+
+
+def _speed(runner, ids: list[int]) -> dict:
+    """The runners' one bench protocol (quantgate.runners.bench): one warm-up round, then medians."""
+    b = bench([runner], ids[:PREFILL], ids[PREFILL:BENCH_TOKENS], rounds=BENCH_ROUNDS, warmup=1)[0]
+    return {"prefill_tps": b["prefill_tps"], "decode_tps": b["decode_tps"]}
+
+
+def _metrics(ev: dict) -> dict:
+    keys = ("ppl", "reference_ppl", "delta_ppl_pct", "kld_mean", "kld_p99", "top1_agreement", "n_tokens")
+    return {k: ev[k] for k in keys}
+
+
+def _calib(s: ReportSettings) -> CalibSettings:
+    return CalibSettings(s.data, s.calib_windows, s.ctx)
+
+
+def torch_fp32_cell(model, ids: list[int]) -> dict:
+    """The float reference of the torch rows: exact by definition, timed like every other cell."""
+    return {"bits_per_weight": 32.0, "kld_mean": 0.0, "top1_agreement": 1.0, "delta_ppl_pct": 0.0,
+            **_speed(TorchRunner(model), ids)}
+
+
+def torch_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, scheme: str, ids: list[int]) -> dict:
+    src, sch = getattr(s, twin), registry_get("torch", scheme)
+    k = ident_key("torch", ident.code, ident.models[twin], scheme,
+                  ident.calibration(s) if sch.needs_calibration else None)
+    art = arts.get(arts.root / "torch" / f"{twin}-{scheme}", k, lambda p: quantize(src, sch, p, _calib(s)))
+    ev = evaluate_model(str(art), s.data, s.ctx, max_windows=s.windows, reference=src)
+    bits = model_info(str(art))["quantization"]["block_bits_per_weight"]  # the bits each stored Linear holds
+    return {**_metrics(ev), "bits_per_weight": bits, "bytes": None, "layer_sqnr_db": ev.get("layer_sqnr_db"),
+            "artifact": str(art)}
+
+
+def onnx_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, scheme: str, ids: list[int]) -> dict:
+    src, sch = getattr(s, twin), registry_get("onnx", scheme)
+    k32 = ident_key("onnx-fp32", ident.code, ident.models[twin])
+    art = fp32 = arts.get(arts.root / "onnx" / f"{twin}-fp32", k32, lambda p: export_onnx(src, p))
+    if sch.tool != "export":
+        k = ident_key("onnx", k32, scheme, ident.calibration(s) if sch.needs_calibration else None)
+        art = arts.get(arts.root / "onnx" / f"{twin}-{scheme}", k, lambda p: quantize(fp32, sch, p, _calib(s)))
+    ev = evaluate_model(str(art), s.data, s.ctx, max_windows=s.windows, reference=src, threads=s.threads)
+    with OrtRunner(art, threads=s.threads) as r:
+        speed = _speed(r, ids)
+    n = load_checkpoint(src).model.num_params()
+    size = (art / "model.onnx").stat().st_size
+    return {**_metrics(ev), "bytes": size, "bits_per_weight": 8 * size / n, **speed, "artifact": str(art)}
+
+
+def gguf_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, scheme: str, ids: list[int]) -> dict:
+    src, root, sch = getattr(s, twin), arts.root / "gguf", registry_get("gguf", scheme)
+    kv = sch.kv_type or "f32"  # kv-*: F16 weights, quantized KV cache: what a laptop would run
+    scheme_file = "F16" if sch.kv_type else scheme
+    if scheme_file == "F16":
+        art = arts.get(root / f"{twin}-F16.gguf", ident_key("gguf-F16", ident.code, ident.models[twin]),
+                       lambda p: export_gguf(src, p, "f16"))
+    else:
+        k32 = ident_key("gguf-F32", ident.code, ident.models[twin])
+        f32 = arts.get(root / f"{twin}-F32.gguf", k32, lambda p: export_gguf(src, p, "f32"))
+        art = arts.get(root / f"{twin}-{scheme_file}.gguf", ident_key("gguf", k32, scheme_file),
+                       lambda p: quantize(f32, sch, p, _calib(s), threads=s.threads))
+    ev = evaluate_model(str(art), s.data, s.ctx, max_windows=s.windows, reference=src, kv_type=kv, threads=s.threads)
+    with LlamaRunner(art, n_ctx=max(s.ctx, BENCH_TOKENS), kv_type=kv if kv != "f32" else "f16", threads=s.threads,
+                     logits_all=False) as r:
+        speed = _speed(r, ids)
+    info = inspect_gguf(art)
+    return {**_metrics(ev), "bytes": info.n_bytes, "bits_per_weight": info.bits_per_weight, "kv_type": kv,
+            **speed, "artifact": str(art)}
+
+
+CELLS = {"torch": torch_cell, "onnx": onnx_cell, "gguf": gguf_cell}  # backend -> how its cells are built and scored
+
+
+def score_cell(s: ReportSettings, ident: Identity, arts: Artifacts, backend: str, twin: str, scheme: str,
+               ids: list[int]) -> dict:
+    """One cell's numbers; a configuration this model cannot take is recorded as {"error": ...}, not fatal.
+    A gated artifact also gets its gate-survival check (do the quantized gates still open and close as the
+    float ones do)."""
+    try:
+        cell = CELLS[backend](s, ident, arts, twin, scheme, ids)
+    except DiskFull:
+        raise
+    except QuantgateError as e:
+        if interrupts:
+            raise
+        return {"error": str(e)}
+    if twin == "gated" and not scheme.startswith("kv-"):
+        gs = check_gate_survival(cell["artifact"], s.gated, s.data, GATE_SURVIVAL_WINDOWS, s.ctx)
+        cell["gate_survival"] = {k: gs[k] for k in ("worst_layer", "worst_mean_abs_diff", "max_frac_crossed_0.5")}
+    return cell

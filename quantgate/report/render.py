@@ -1,0 +1,175 @@
+"""report.md, report.html and the report's plots, from report.json's dict.
+
+Both documents are written from one column spec per table (`CELL_COLUMNS`, `LAYER_COLUMNS`): a column is added,
+renamed or formatted in one place and appears the same in Markdown and HTML.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from matplotlib.figure import Figure  # the object API: no pyplot state, no GUI backend chosen
+
+from ..analyze import save_figure
+from .conclusion import training_lines
+
+
+@dataclass(frozen=True)
+class Column:
+    header: str
+    value: Callable[[dict], object]  # a row -> the value to show (None: "-")
+    spec: str = ""                   # format spec for numbers ("" prints the value as it is)
+
+    def text(self, row: dict) -> str:
+        v = self.value(row)
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return "-"
+        return format(v, self.spec) if self.spec and isinstance(v, (int, float)) else str(v)
+
+
+def _get(key: str) -> Callable[[dict], object]:
+    return lambda row: row.get(key)
+
+
+CELL_COLUMNS = (
+    Column("backend", _get("backend")), Column("scheme", _get("scheme")), Column("twin", _get("twin")),
+    Column("bits/weight", _get("bits_per_weight"), ".2f"), Column("bytes", _get("bytes"), ","),
+    Column("ppl", _get("ppl"), ".2f"), Column("delta ppl %", _get("delta_ppl_pct"), "+.2f"),
+    Column("KLD", _get("kld_mean"), ".5f"), Column("top-1", _get("top1_agreement"), ".4f"),
+    Column("prefill tok/s", _get("prefill_tps"), ".0f"), Column("decode tok/s", _get("decode_tps"), ".0f"),
+    Column("gate mean abs diff", lambda r: (r.get("gate_survival") or {}).get("worst_mean_abs_diff"), ".5f"),
+)
+LAYER_COLUMNS = (
+    Column("layer", _get("layer")), Column("max abs h", _get("max_abs"), ".1f"),
+    Column("max/median", _get("max_over_median"), ".1f"), Column("BOS attention", _get("bos_attention_mean"), ".3f"),
+    Column("o_proj inf-norm", _get("o_proj_inf_norm"), ".1f"), Column("o_proj kurtosis", _get("o_proj_kurtosis"), ".1f"),
+    Column("down_proj inf-norm", _get("down_proj_inf_norm"), ".1f"),
+    Column("down_proj kurtosis", _get("down_proj_kurtosis"), ".1f"),
+    Column("gate mean", _get("gate_mean"), ".3f"), Column("gate < 0.1", _get("gate_frac_below_0.1"), ".1%"),
+)
+
+
+def cell_rows(rep: dict) -> list[dict]:
+    """One row per cell, ordered by backend, scheme, then twin (the twins of a scheme side by side)."""
+    rows = []
+    for key in sorted(rep["cells"], key=lambda k: (k.split("/")[0], k.split("/")[2], k.split("/")[1])):
+        backend, twin, scheme = key.split("/")
+        rows.append({"backend": backend, "scheme": scheme, "twin": twin, **rep["cells"][key]})
+    return rows
+
+
+def markdown_table(columns: tuple[Column, ...], rows: list[dict]) -> list[str]:
+    return (["| " + " | ".join(c.header for c in columns) + " |", "|" + "---|" * len(columns)]
+            + ["| " + " | ".join(c.text(r) for c in columns) + " |" for r in rows])
+
+
+def html_table(columns: tuple[Column, ...], rows: list[dict]) -> str:
+    head = "".join(f"<th>{html.escape(c.header)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c.text(r))}</td>" for c in columns) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _outlier_summary(o: dict) -> str:
+    return (f"max |h| {o['max_abs']:.1f}, max kurtosis {o['max_kurtosis']:.0f}, max linear inf-norm "
+            f"{o['max_linear_inf_norm']:.1f}")
+
+
+def _setting_line(rep: dict) -> str:
+    s = rep["settings"]
+    return (f"quantgate {rep['quantgate_version']}, {rep['created']}, {rep['machine']['processor']}; data "
+            f"`{s['data']}`, {s['windows']} held-out windows x {s['ctx']} tokens.")
+
+
+def render_markdown(rep: dict) -> str:
+    s = rep["settings"]
+    lines = [f"# quantgate report: {s['baseline']} vs {s['gated']}", "", _setting_line(rep), "", "## Conclusion", ""]
+    lines += [f"- {c}" for c in rep["conclusion"]]
+    lines += ["", "## How the twins were trained", ""] + [f"- {t}" for t in training_lines(rep)]
+    lines += ["", "## Accuracy, size and speed", ""] + markdown_table(CELL_COLUMNS, cell_rows(rep))
+    lines += ["", "## Outliers per layer", ""]
+    for t, o in rep["outliers"].items():
+        lines += [f"**{t}**: {_outlier_summary(o)}", ""] + markdown_table(LAYER_COLUMNS, o["per_layer"]) + [""]
+    lines += ["## Plots", ""] + [f"![{Path(p).stem}](plots/{Path(p).name})" for p in rep.get("plots", [])]
+    return "\n".join(lines) + "\n"
+
+
+def _img(path: str) -> str:
+    data = base64.b64encode(Path(path).read_bytes()).decode()
+    return f'<figure><img alt="{html.escape(Path(path).stem)}" src="data:image/png;base64,{data}"></figure>'
+
+
+def render_html(rep: dict) -> str:
+    """Self-contained: plots embedded as data URIs, so the page opens offline and travels as one file."""
+    s = rep["settings"]
+    concl = "".join(f"<li>{html.escape(c)}</li>" for c in rep["conclusion"])
+    trained = "".join(f"<li>{html.escape(t)}</li>" for t in training_lines(rep))
+    outl = "".join(f"<h3>{html.escape(t)}</h3><p>{html.escape(_outlier_summary(o))}</p>"
+                   + html_table(LAYER_COLUMNS, o["per_layer"]) for t, o in rep["outliers"].items())
+    imgs = "".join(_img(p) for p in rep.get("plots", []) if Path(p).is_file())
+    setting = html.escape(_setting_line(rep)).replace(f"`{html.escape(s['data'])}`",
+                                                      f"<code>{html.escape(s['data'])}</code>")
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>quantgate report</title>
+<style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em}}table{{border-collapse:collapse;
+font-size:13px}}td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}img{{max-width:100%}}</style></head>
+<body><h1>quantgate report</h1>
+<p>{html.escape(s['baseline'])} vs {html.escape(s['gated'])}</p>
+<p>{setting}</p>
+<h2>Conclusion</h2><ul>{concl}</ul>
+<h2>How the twins were trained</h2><ul>{trained}</ul>
+<h2>Accuracy, size and speed</h2>{html_table(CELL_COLUMNS, cell_rows(rep))}
+<h2>Outliers per layer</h2>{outl}
+<h2>Plots</h2>{imgs}
+</body></html>
+"""
+
+
+# --- plots ---------------------------------------------------------------------------------------------------
+
+def _plotted(rep: dict, backend: str, twin: str) -> list[tuple]:
+    """(bits/weight, KLD, scheme) of the quantized cells: the float references and KV-only cells have no place on a
+    bits axis."""
+    return sorted((c["bits_per_weight"], c["kld_mean"], k.split("/")[2]) for k, c in rep["cells"].items()
+                  if k.startswith(f"{backend}/{twin}/") and c.get("kld_mean") and c.get("bits_per_weight")
+                  and not k.endswith(("/fp32", "/F16")) and not k.split("/")[2].startswith("kv-"))
+
+
+def report_plots(rep: dict, out_dir: Path) -> list[Path]:
+    paths = []
+    backends = sorted({k.split("/")[0] for k in rep["cells"]})
+    fig = Figure(figsize=(4.8 * len(backends), 3.8))
+    axes = fig.subplots(1, len(backends), squeeze=False)
+    for ax, backend in zip(axes[0], backends):
+        for twin, color in (("baseline", "tab:blue"), ("gated", "tab:orange")):
+            pts = _plotted(rep, backend, twin)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=color, label=twin)
+                for x, y, name in pts:
+                    ax.annotate(name, (x, y), fontsize=6, xytext=(2, 2), textcoords="offset points")
+        ax.set_yscale("log")
+        ax.set_xlabel("bits per weight" + (" (as stored, block Linears)" if backend == "torch"
+                                           else " (whole file, embeddings included)"))
+        ax.set_ylabel("KL divergence vs float")
+        ax.set_title(backend)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(save_figure(fig, out_dir / "kld_vs_bits.png"))
+    if any(rep["link"].values()):
+        fig = Figure(figsize=(6, 4))
+        ax = fig.subplots()
+        for twin, color in (("baseline", "tab:blue"), ("gated", "tab:orange")):
+            link = rep["link"].get(twin)
+            if link:
+                ax.scatter([p["inf_norm"] for p in link["points"]], [p["sqnr_db"] for p in link["points"]], c=color,
+                           label=f"{twin} (r = {link['pearson_log_infnorm_vs_sqnr']:+.2f})", s=18)
+        ax.set_xscale("log")
+        ax.set_xlabel("linear-layer input inf-norm (max |x|)")
+        ax.set_ylabel("W8A8-static output SQNR (dB)")
+        ax.set_title("larger activations, larger quantization error?")
+        ax.legend(fontsize=8)
+        paths.append(save_figure(fig, out_dir / "sqnr_vs_infnorm.png"))
+    return paths

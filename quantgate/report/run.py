@@ -1,0 +1,80 @@
+"""`run_report(settings)`: every cell run (or read back from a previous run), then report.json, .md and .html."""
+from __future__ import annotations
+
+from ..analyze import analyze, plot_reports
+from ..calib_data import check_ctx, default_split, eval_windows, load_corpus, tokenize_corpus
+from ..errors import QuantgateError
+from ..formats import load_checkpoint
+from ..fsio import atomic_file, claim_folder, write_json
+from ..identity import code_id, content_id
+from ..progress import console
+from .cells import Artifacts, cached, score_cell, torch_fp32_cell
+from .conclusion import build_report, training
+from .render import render_html, render_markdown, report_plots
+from .settings import BENCH_TOKENS, DEFAULT_SCHEMES, TWINS, Identity, ReportSettings, check_settings, gated_only
+
+
+def _check_twins(s: ReportSettings) -> dict:
+    """Both twins loaded, in the right order, with tokenizers and enough context for every window and speed run."""
+    loaded = {t: load_checkpoint(getattr(s, t)) for t in TWINS}
+    if loaded["baseline"].model.cfg.gate != "none" or loaded["gated"].model.cfg.gate == "none":
+        raise QuantgateError("--models takes the baseline (no gate) first, then the gated twin")
+    if loaded["baseline"].tokenizer is None or loaded["gated"].tokenizer is None:
+        raise QuantgateError("both twins need a tokenizer.json")
+    for t in TWINS:
+        context = loaded[t].model.cfg.max_seq_len
+        check_ctx(s.ctx, context, getattr(s, t))
+        if context < BENCH_TOKENS:
+            raise QuantgateError(f"{getattr(s, t)}: the report's speed runs need {BENCH_TOKENS} tokens of context, "
+                                 f"the model has {context}")
+    return loaded
+
+
+def run_report(s: ReportSettings) -> dict:
+    """Run (or resume) every cell, then write report.json, report.md and report.html into s.out."""
+    check_settings(s)
+    loaded = _check_twins(s)
+    tok = loaded["baseline"].tokenizer
+    corpus = load_corpus(s.data)
+    ids = [int(t) for t in eval_windows(tokenize_corpus(corpus.split(default_split(s.data)), tok).ids, BENCH_TOKENS + 1,
+                                        tok.bos_id, 1)[0]]
+    ident = Identity({t: content_id(getattr(s, t)) for t in TWINS}, corpus.fingerprint, code_id())
+    out = claim_folder(s.out, "report")
+    cells_dir, plots_dir = out / "cells", out / "plots"
+    arts = Artifacts(out / "artifacts")
+    timings: dict[str, float] = {}
+
+    analysis = {t: cached(cells_dir / f"analysis-{t}.json", ident.cell_key(s, "analysis", t),
+                          lambda t=t: analyze(getattr(s, t), s.data, s.ctx, s.analysis_windows),
+                          f"analyse {t}", timings) for t in TWINS}
+    plot_files = [str(p) for p in plot_reports(analysis, plots_dir)]
+
+    cells: dict[str, dict] = {}
+    for backend in s.backends:
+        for twin in TWINS:
+            if backend == "torch":
+                cells[f"torch/{twin}/fp32"] = cached(
+                    cells_dir / f"torch-{twin}-fp32.json", ident.cell_key(s, "torch", twin, "fp32"),
+                    lambda twin=twin: torch_fp32_cell(loaded[twin].model, ids), f"torch {twin} fp32 speed", timings)
+            for scheme in s.schemes.get(backend, DEFAULT_SCHEMES[backend]):
+                if twin == "baseline" and gated_only(backend, scheme):
+                    continue
+                cell = cached(cells_dir / f"{backend}-{twin}-{scheme}.json", ident.cell_key(s, backend, twin, scheme),
+                              lambda b=backend, t=twin, sc=scheme: score_cell(s, ident, arts, b, t, sc, ids),
+                              f"{backend} {twin} {scheme}", timings)
+                if "error" in cell:
+                    console.print(f"  skipped: {cell['error']}", markup=False, highlight=False)
+                cells[f"{backend}/{twin}/{scheme}"] = cell
+
+    report = build_report(s, analysis, cells, timings, plot_files)
+    report["identity"] = {"models": ident.models, "data": ident.data, "code": ident.code}
+    report["artifacts"] = arts.log
+    report["training"] = {t: training(loaded[t].model.cfg.extra) for t in TWINS}
+    plots = report_plots(report, plots_dir)
+    report["plots"] = plot_files + [str(p) for p in plots]
+    write_json(out / "report.json", report)
+    with atomic_file(out / "report.md", "w") as f:
+        f.write(render_markdown(report))
+    with atomic_file(out / "report.html", "w") as f:
+        f.write(render_html(report))
+    return report
