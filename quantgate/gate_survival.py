@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .calib_data import calibration_windows, check_ctx
+from .capture import capture
 from .errors import QuantgateError
 from .formats import load_checkpoint
 
@@ -20,18 +21,13 @@ from .formats import load_checkpoint
 def _gate_inputs(model, windows: np.ndarray) -> dict[int, torch.Tensor]:
     """Layer -> X fed to g_proj (the normed layer input), [N, D], from the float model."""
     xs: dict[int, list] = {}
-    hooks = []
-    for i, layer in enumerate(model.layers):
-        def hook(_m, args, i=i):
+
+    def hook_for(i: int):
+        def hook(_m, args):
             xs.setdefault(i, []).append(args[0].detach().float().reshape(-1, args[0].shape[-1]))
-        hooks.append(layer.self_attn.g_proj.register_forward_pre_hook(hook))
-    try:
-        with torch.inference_mode():
-            for k in range(0, len(windows), 4):
-                model(torch.as_tensor(windows[k:k + 4]))
-    finally:
-        for h in hooks:
-            h.remove()
+        return hook
+
+    capture(model, windows, pre=[(layer.self_attn.g_proj, hook_for(i)) for i, layer in enumerate(model.layers)])
     return {i: torch.cat(v) for i, v in xs.items()}
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .calib_data import calibration_windows, check_ctx, data_paths
+from .capture import capture
 from .errors import DiskFull, QuantgateError
 from .formats import load_checkpoint
 from .formats.gguf import inspect_gguf
@@ -64,14 +65,8 @@ def importance_matrix(model, windows: np.ndarray, batch: int = 4) -> dict[str, n
         else:
             gname = None
         if gname:
-            hooks.append(mod.register_forward_pre_hook(hook_for(gname)))
-    try:
-        with torch.inference_mode():
-            for i in range(0, len(windows), batch):
-                model(torch.as_tensor(windows[i:i + batch]))
-    finally:
-        for h in hooks:
-            h.remove()
+            hooks.append((mod, hook_for(gname)))
+    capture(model, windows, pre=hooks, batch=batch)
     return {k: (sums[k] / counts[k]).numpy().astype(np.float32) for k in sums}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .capture import capture
 from .qlinear import QuantLinear
 from .quant.simulate import block_linears
 
@@ -77,14 +78,7 @@ def layer_sqnr(fp_model, q_model, windows: np.ndarray, batch: int = 4) -> dict:
             a["out_noisy"] |= noisy
         return hook
 
-    hooks = [m.register_forward_hook(hook_for(n)) for n, m in fp_lin.items()]
-    try:
-        with torch.inference_mode():
-            for i in range(0, len(windows), batch):
-                fp_model(torch.as_tensor(windows[i:i + batch], device=device))
-    finally:
-        for h in hooks:
-            h.remove()
+    capture(fp_model, windows, post=[(m, hook_for(n)) for n, m in fp_lin.items()], batch=batch, device=device)
     return {n: {"input_db": float(torch.cat(a["in"]).mean()) if a["in_noisy"] else None,
                 "output_db": float(torch.cat(a["out"]).mean()) if a["out_noisy"] else None}
             for n, a in acc.items()}

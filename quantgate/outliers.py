@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .capture import capture
 from .model import Model
-from .progress import track
 
 MEDIAN_SAMPLE = 1 << 20  # |h| values kept per layer for the median (exact below this count)
 
@@ -78,7 +78,8 @@ def _sample(values: torch.Tensor, budget: int, generator: torch.Generator) -> to
 
 
 class OutlierCollector:
-    """Attach to a model, feed it windows, read a report dict."""
+    """What the analysis records while windows run through a model (quantgate.capture attaches its hooks and
+    calls `layer` after each block), read back as a report dict."""
 
     def __init__(self, model: Model, top_k: int = 8, seed: int = 0):
         self.model, self.top_k = model, top_k
@@ -87,14 +88,21 @@ class OutlierCollector:
         self.gen = torch.Generator().manual_seed(seed)
         self._windows_seen = 0
         self._ctx = 0
-        self._hooks = []
-        for name, mod in model.named_modules():
-            if isinstance(mod, torch.nn.Linear):
-                self._hooks.append(mod.register_forward_pre_hook(self._linear_hook(name)))
-        for i, layer in enumerate(model.layers):
-            g = layer.self_attn.g_proj
-            if g is not None:
-                self._hooks.append(g.register_forward_hook(self._gate_hook(i)))
+
+    def pre_hooks(self) -> list:
+        """Every Linear's input: max |x| and kurtosis."""
+        return [(mod, self._linear_hook(name)) for name, mod in self.model.named_modules()
+                if isinstance(mod, torch.nn.Linear)]
+
+    def post_hooks(self) -> list:
+        """Every gate's output; and the model's own output, which ends a batch (window count, context)."""
+        gates = [(layer.self_attn.g_proj, self._gate_hook(i)) for i, layer in enumerate(self.model.layers)
+                 if layer.self_attn.g_proj is not None]
+        return gates + [(self.model, self._batch_done)]
+
+    def _batch_done(self, _mod, args, _out) -> None:
+        self._windows_seen += args[0].shape[0]
+        self._ctx = args[0].shape[1]
 
     def _linear_hook(self, name: str):
         def hook(_mod, args):
@@ -118,13 +126,8 @@ class OutlierCollector:
             acc.gate_hist = hist if acc.gate_hist is None else acc.gate_hist + hist
         return hook
 
-    @torch.inference_mode()
-    def feed(self, windows: torch.Tensor) -> None:
-        self.model(windows, probe=True, on_layer=self._layer)
-        self._windows_seen += windows.shape[0]
-        self._ctx = windows.shape[1]
-
-    def _layer(self, i: int, h: torch.Tensor, probs: torch.Tensor) -> None:
+    def layer(self, i: int, h: torch.Tensor, probs: torch.Tensor) -> None:
+        """Called after block i with its output h and attention probabilities (Model.forward's on_layer)."""
         B = h.shape[0]
         budget = max(1, MEDIAN_SAMPLE // 64)
         acc = self.layers[i]
@@ -143,11 +146,6 @@ class OutlierCollector:
         bos = probs[:, :, 1:, 0].float()  # [B, H, T-1]: attention of queries >= 1 on BOS
         acc.bos_sum = bos.sum(dim=(0, 2)) if acc.bos_sum is None else acc.bos_sum + bos.sum(dim=(0, 2))
         acc.bos_count += bos.shape[0] * bos.shape[2]
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
     def report(self) -> dict:
         layers = []
@@ -176,11 +174,7 @@ class OutlierCollector:
 
 def analyze_model(model: Model, windows: np.ndarray, batch: int = 4, top_k: int = 8) -> dict:
     """Outlier report of `model` over `windows` ([N, T] int64, BOS first)."""
-    model.eval()
     col = OutlierCollector(model, top_k=top_k)
-    try:
-        for i in track(range(0, len(windows), batch), "analyze", total=-(-len(windows) // batch)):
-            col.feed(torch.as_tensor(windows[i:i + batch]))
-    finally:
-        col.close()
+    capture(model, windows, pre=col.pre_hooks(), post=col.post_hooks(), batch=batch, label="analyze", probe=True,
+            on_layer=col.layer)
     return col.report()

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .model import Model
-from .progress import track
+from .capture import capture
 
 
 def _groups(model: Model):
@@ -24,22 +24,18 @@ def _groups(model: Model):
             layer.mlp.gate_proj, layer.mlp.up_proj]
 
 
-@torch.inference_mode()
 def channel_absmax(model: Model, windows: np.ndarray, batch: int = 4) -> dict[str, torch.Tensor]:
     """max |x_j| per input channel of every norm that feeds a smoothing group."""
     stats: dict[str, torch.Tensor] = {}
-    hooks = []
-    for name, norm, _ in _groups(model):
-        def hook(_m, _a, out, name=name):
+
+    def hook_for(name: str):
+        def hook(_m, _a, out):
             a = out.detach().float().abs().reshape(-1, out.shape[-1]).amax(0)
             stats[name] = a if name not in stats else torch.maximum(stats[name], a)
-        hooks.append(norm.register_forward_hook(hook))
-    try:
-        for i in track(range(0, len(windows), batch), "smoothquant stats", total=-(-len(windows) // batch)):
-            model(torch.as_tensor(windows[i:i + batch]))
-    finally:
-        for h in hooks:
-            h.remove()
+        return hook
+
+    capture(model, windows, post=[(norm, hook_for(name)) for name, norm, _ in _groups(model)], batch=batch,
+            label="smoothquant stats")
     return stats
 
 

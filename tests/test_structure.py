@@ -217,3 +217,9 @@ def test_layouts_recognise_the_config_they_write():
         cfg = preset("tiny", gate=gate)
         assert detect_layout(config_to_hf(cfg, LAYOUTS[name])) == name
     assert detect_layout(config_to_hf(preset("tiny", gate="elementwise"), LAYOUTS["official"])) == "official"
+
+
+def test_one_capture_helper_attaches_hooks():
+    """Every "run windows through the model with hooks" loop goes through quantgate.capture."""
+    where = [str(p.relative_to(ROOT)) for p in SOURCES if "register_forward" in p.read_text()]
+    assert where == ["quantgate/capture.py"], where

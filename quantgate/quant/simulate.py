@@ -16,8 +16,8 @@ import torch.nn as nn
 
 from ..errors import QuantgateError
 from ..gptq import gptq_quantize, input_hessian
+from ..capture import capture
 from ..model import Model
-from ..progress import track
 from ..qlinear import ActRange, QuantLinear, quantize_weight
 from ..smoothquant import smooth_
 from .schemes import TorchScheme as Scheme
@@ -71,14 +71,7 @@ def calibrate(model: Model, windows: np.ndarray, scheme: Scheme, batch: int = 4)
                 hi[name] = max(hi[name], float(x.max()))
         return hook
 
-    hooks = [m.register_forward_pre_hook(hook_for(n)) for n, m in linears.items()]
-    try:
-        model.eval()
-        for i in track(range(0, len(windows), batch), "calibrate", total=-(-len(windows) // batch)):
-            model(torch.as_tensor(windows[i:i + batch]))
-    finally:
-        for h in hooks:
-            h.remove()
+    capture(model, windows, pre=[(m, hook_for(n)) for n, m in linears.items()], batch=batch, label="calibrate")
     cal = Calibration(hessians=hessians)
     if scheme.act == "static" and scheme.calib == "percentile":
         q = torch.tensor([(100 - scheme.percentile) / 100, scheme.percentile / 100])
