@@ -20,6 +20,7 @@ from .formats import artifact_kind, load_checkpoint
 from .formats.gguf import check_finite_weights, inspect_gguf, open_reader, tokenizer_from_gguf
 from .formats.onnx import check_finite_initializers, onnx_context
 from .formats.onnx_io import read_meta, resolve_onnx
+from .quant.simulate import saved_kv_bits
 from .runners import LlamaRunner, OrtRunner
 from .tokenizer import load_tokenizer
 
@@ -53,7 +54,8 @@ def _torch_tokens(model, ids: list[int], max_tokens: int, temperature: float, se
     g = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
         t0 = time.perf_counter()
-        out = model(torch.tensor([ids]), past=[None] * model.cfg.n_layers, start_pos=0)  # empty cache
+        kv = saved_kv_bits(model)  # a kv-int8/kv-int4 checkpoint decodes on the cache it was scored with
+        out = model(torch.tensor([ids]), past=[None] * model.cfg.n_layers, start_pos=0, kv_bits=kv)  # empty cache
         past, pos = out["past"], len(ids)
         logits = out["logits"][0, -1]
         timing["prefill_s"] = time.perf_counter() - t0
@@ -70,7 +72,7 @@ def _torch_tokens(model, ids: list[int], max_tokens: int, temperature: float, se
             yield tok
             if n + 1 == max_tokens:
                 break
-            out = model(torch.tensor([[tok]]), past=past, start_pos=pos)
+            out = model(torch.tensor([[tok]]), past=past, start_pos=pos, kv_bits=kv)
             past, pos, logits = out["past"], pos + 1, out["logits"][0, -1]
         timing["decode_s"] = time.perf_counter() - t1
 

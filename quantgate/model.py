@@ -157,7 +157,6 @@ class Attention(nn.Module):
         self.g_proj = nn.Linear(cfg.dim, cfg.gate_dim, bias=False) if cfg.gate != "none" else None
         self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
-        self.kv_bits: int | None = None  # set by KV-cache quantization schemes: k, v rounded per token and head
         self.qg_proj: nn.Linear | None = None  # set by fuse_qg(): q and gate rows in one matmul (export)
 
     def fuse_qg(self) -> None:
@@ -168,9 +167,10 @@ class Attention(nn.Module):
         self.qg_proj = nn.Linear(w.shape[1], w.shape[0], bias=False).to(w.device, w.dtype)
         self.qg_proj.weight = nn.Parameter(w.detach().clone(), requires_grad=False)
 
-    def forward(self, x, cos, sin, past=None, probe=False, key_mask=None):
+    def forward(self, x, cos, sin, past=None, probe=False, key_mask=None, kv_bits=None):
         """x: normed layer input [B, T, D]. past: (k, v) each [B, KV, P, hd] or None. key_mask: [B, P+T]
-        (1 = attend, 0 = padding) or None.
+        (1 = attend, 0 = padding) or None. kv_bits: k and v rounded per token and head before they enter the
+        cache, what a quantized KV cache holds (None: float).
 
         Returns (out, present_kv, attn_probs or None). `probe=True` computes attention explicitly so
         the probabilities can be returned (analysis path); otherwise SDPA does the work.
@@ -188,8 +188,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.kv_bits is not None:  # what a quantized KV cache would hold
-            k, v = fake_quant_per_token(k, self.kv_bits), fake_quant_per_token(v, self.kv_bits)
+        if kv_bits is not None:  # what a quantized KV cache would hold
+            k, v = fake_quant_per_token(k, kv_bits), fake_quant_per_token(v, kv_bits)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
@@ -243,8 +243,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, cos, sin, past=None, probe=False, key_mask=None):
-        a, present, probs = self.self_attn(self.input_layernorm(h), cos, sin, past, probe, key_mask)
+    def forward(self, h, cos, sin, past=None, probe=False, key_mask=None, kv_bits=None):
+        a, present, probs = self.self_attn(self.input_layernorm(h), cos, sin, past, probe, key_mask, kv_bits)
         h = h + a
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, present, probs
@@ -275,13 +275,15 @@ class Model(nn.Module):
 
     def forward(self, idx: torch.Tensor, past=None, start_pos: int = 0, probe: bool = False,
                 return_hidden: bool = False, on_layer=None, position_ids: torch.Tensor | None = None,
-                key_mask: torch.Tensor | None = None):
+                key_mask: torch.Tensor | None = None, kv_bits: int | None = None):
         """idx: [B, T] token ids. Returns logits [B, T, V] (fp32) or a dict when past/probe/hidden is used.
 
         past: list of per-layer (k, v) from an earlier call (generation); start_pos: its length.
         on_layer(i, h, probs): called after each block with its output (and attention probabilities when
         probe=True) instead of collecting them, so analysis holds one layer's tensors at a time.
         position_ids [B, T] and key_mask [B, P+T] (exported graphs) replace start_pos and the implicit mask.
+        kv_bits: a quantized KV cache, k and v rounded per token and head to that many bits (mlx-lm's quantized
+        cache: an option of the run, which the runners pass, not state of the model).
         """
         B, T = idx.shape
         positions = position_ids if position_ids is not None else \
@@ -290,7 +292,7 @@ class Model(nn.Module):
         h = self.embed_tokens(idx)
         presents, probs, hidden = [], [], []
         for i, layer in enumerate(self.layers):
-            h, present, p = layer(h, cos, sin, None if past is None else past[i], probe, key_mask)
+            h, present, p = layer(h, cos, sin, None if past is None else past[i], probe, key_mask, kv_bits)
             presents.append(present)
             if on_layer is not None:
                 on_layer(i, h, p)

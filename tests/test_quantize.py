@@ -12,6 +12,7 @@ from quantgate.evaluate import token_nll
 from quantgate.metrics import logit_errors
 from quantgate.model import build_model, preset
 from quantgate.qlinear import ActRange, QuantLinear, fake_quant_per_token, fake_quant_static, quantize_weight
+from quantgate.runners import TorchRunner
 from quantgate.quantize import block_linears, quantize_
 from quantgate.schemes import SCHEMES, get_scheme
 from test_outliers import planted_model, windows
@@ -254,14 +255,14 @@ def test_kv_cache_quantization():
     q4 = quantize_(copy.deepcopy(m), get_scheme("kv-int4"))
     assert isinstance(q8.layers[0].self_attn.q_proj, torch.nn.Linear)  # weights untouched
     assert not isinstance(q8.layers[0].self_attn.q_proj, QuantLinear)
-    e8, e4 = (logit_errors(ref, logits_of(q, w))["kld_mean"] for q in (q8, q4))
+    e8, e4 = (logit_errors(ref, TorchRunner(q).logits(w))["kld_mean"] for q in (q8, q4))  # runs use the scheme's
     assert 0 < e8 < e4
     # rounding is per token, so a cached decode sees exactly what a full forward sees
     idx = torch.as_tensor(w[:1])
     with torch.inference_mode():
-        full = q4(idx)
-        pre = q4(idx[:, :20], past=None, start_pos=0, return_hidden=True)
-        step = q4(idx[:, 20:21], past=pre["past"], start_pos=20)
+        full = q4(idx, kv_bits=4)
+        pre = q4(idx[:, :20], past=None, start_pos=0, return_hidden=True, kv_bits=4)
+        step = q4(idx[:, 20:21], past=pre["past"], start_pos=20, kv_bits=4)
     assert torch.allclose(step["logits"], full[:, 20:21], atol=1e-5)
 
 

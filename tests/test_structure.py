@@ -223,3 +223,11 @@ def test_one_capture_helper_attaches_hooks():
     """Every "run windows through the model with hooks" loop goes through quantgate.capture."""
     where = [str(p.relative_to(ROOT)) for p in SOURCES if "register_forward" in p.read_text()]
     assert where == ["quantgate/capture.py"], where
+
+
+def test_nothing_outside_the_model_sets_its_attention_state():
+    """KV-cache bits are an option of the run (runners pass Model.forward's kv_bits), not an attribute that
+    quantizers set on the model's attention modules from outside."""
+    poke = re.compile(r"\.self_attn\.\w+\s*=[^=]")
+    where = [str(p.relative_to(ROOT)) for p in SOURCES if poke.search(p.read_text())]
+    assert where == [], where

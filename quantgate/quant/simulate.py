@@ -122,8 +122,6 @@ def quantize_(model: Model, scheme: Scheme, calib_windows: np.ndarray | None = N
             raise QuantgateError(f"scheme {scheme.name} needs calibration windows, and none were given")
         smooth_(model, calib_windows, scheme.smooth_alpha)
     cal = calibrate(model, calib_windows, scheme) if scheme.needs_calibration else Calibration()
-    for layer in model.layers:
-        layer.self_attn.kv_bits = scheme.kv_bits
     for name, lin in block_linears(model).items():
         if scheme.kv_only:
             break  # a KV-cache-only scheme leaves the Linears alone
@@ -153,6 +151,11 @@ def quantize_(model: Model, scheme: Scheme, calib_windows: np.ndarray | None = N
 # them as plain models; config.json's "quantgate" block holds the scheme and the calibrated activation
 # ranges, which `load_checkpoint` re-applies so our runners see exactly what was evaluated.
 
+def saved_kv_bits(model: Model) -> int | None:
+    """The KV-cache bits the model's scheme asks runs to use (runners pass them to Model.forward), or None."""
+    return (model.cfg.extra.get("quant_scheme") or {}).get("kv_bits")
+
+
 def saved_quantization(model: Model) -> dict:
     ranges = {n: [m.act_range.lo, m.act_range.hi] for n, m in model.layers.named_modules()
               if isinstance(m, QuantLinear) and m.act_range is not None}
@@ -181,8 +184,6 @@ def apply_saved_quantization(model: Model, extra: dict, where: str = "config.jso
         if name not in linears or not (b is None or (isinstance(b, int) and not isinstance(b, bool) and 2 <= b <= 16)):
             raise QuantgateError(f"{where}: quant_state.weight_bits[{name[:60]!r}] must be 2..16 or null for a Linear "
                                  f"of this model")
-    for layer in model.layers:
-        layer.self_attn.kv_bits = scheme.kv_bits
     if scheme.kv_only:
         return model
     for name, lin in linears.items():

@@ -7,24 +7,29 @@ import numpy as np
 import torch
 
 from ..model import Model
+from ..quant.simulate import saved_kv_bits
 from .bench import bench
 from .device import torch_device
 
 
 class TorchRunner:
-    """Runs our PyTorch model; `batch_size` windows per forward to bound memory."""
+    """Runs our PyTorch model; `batch_size` windows per forward to bound memory. `kv_bits`: a quantized KV cache
+    (k and v rounded per token and head), like llama.cpp's --kv-type; by default what the model's saved scheme
+    asks for (kv-int8, kv-int4), else float."""
 
-    def __init__(self, model: Model, device: str = "cpu", batch_size: int = 8, name: str = "torch"):
+    def __init__(self, model: Model, device: str = "cpu", batch_size: int = 8, name: str = "torch",
+                 kv_bits: int | None = None):
         self.model = model.to(torch_device(device)).eval()
         self.device, self.batch_size, self.name = device, batch_size, name
         self.vocab_size = model.cfg.vocab_size
+        self.kv_bits = kv_bits if kv_bits is not None else saved_kv_bits(model)
 
     @torch.inference_mode()
     def logits(self, windows: np.ndarray) -> np.ndarray:
         out = []
         for i in range(0, len(windows), self.batch_size):
             idx = torch.as_tensor(windows[i:i + self.batch_size], device=self.device)
-            out.append(self.model(idx).float().cpu().numpy())  # fp32 whatever the model's dtype
+            out.append(self.model(idx, kv_bits=self.kv_bits).float().cpu().numpy())  # fp32 whatever the dtype
         return np.concatenate(out, axis=0)
 
     @torch.inference_mode()
@@ -33,13 +38,13 @@ class TorchRunner:
         time on it (the runners' bench protocol, quantgate.runners.bench)."""
         m, dev = self.model, self.device
         t0 = time.perf_counter()
-        out = m(torch.tensor([prefill_ids], device=dev), past=[None] * m.cfg.n_layers)
+        out = m(torch.tensor([prefill_ids], device=dev), past=[None] * m.cfg.n_layers, kv_bits=self.kv_bits)
         if dev != "cpu":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         past, pos = out["past"], len(prefill_ids)
         for t in decode_ids:
-            out = m(torch.tensor([[t]], device=dev), past=past, start_pos=pos)
+            out = m(torch.tensor([[t]], device=dev), past=past, start_pos=pos, kv_bits=self.kv_bits)
             past, pos = out["past"], pos + 1
         if dev != "cpu":
             torch.cuda.synchronize()
