@@ -8,10 +8,8 @@ decode one token per step.
 """
 from __future__ import annotations
 
-import codecs
-import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -20,8 +18,8 @@ from .formats import artifact_kind, load_checkpoint
 from .formats.gguf import check_finite_weights, inspect_gguf, open_reader, tokenizer_from_gguf
 from .formats.onnx import check_finite_initializers, onnx_context
 from .formats.onnx_io import read_meta, resolve_onnx
-from .quant.simulate import saved_kv_bits
-from .runners import LlamaRunner, OrtRunner
+from .runners import LlamaRunner, OrtRunner, TorchRunner
+from .sampling import Done, Sampler
 from .tokenizer import load_tokenizer
 
 
@@ -49,34 +47,6 @@ def token_budget(n_prompt: int, max_tokens: int, context: int, model_path) -> in
     return min(max_tokens, context - n_prompt)
 
 
-def _torch_tokens(model, ids: list[int], max_tokens: int, temperature: float, seed: int, eos: int,
-                  timing: dict) -> Iterator[int]:
-    g = torch.Generator().manual_seed(seed)
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        kv = saved_kv_bits(model)  # a kv-int8/kv-int4 checkpoint decodes on the cache it was scored with
-        out = model(torch.tensor([ids]), past=[None] * model.cfg.n_layers, start_pos=0, kv_bits=kv)  # empty cache
-        past, pos = out["past"], len(ids)
-        logits = out["logits"][0, -1]
-        timing["prefill_s"] = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        for n in range(max_tokens):
-            if not torch.isfinite(logits).all():
-                raise QuantgateError("the model produced NaN or Inf logits: its activations overflowed")
-            if temperature > 0:
-                tok = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g))
-            else:
-                tok = int(logits.argmax())
-            if tok == eos:
-                break
-            yield tok
-            if n + 1 == max_tokens:
-                break
-            out = model(torch.tensor([[tok]]), past=past, start_pos=pos, kv_bits=kv)
-            past, pos, logits = out["past"], pos + 1, out["logits"][0, -1]
-        timing["decode_s"] = time.perf_counter() - t1
-
-
 def _emit_tail(tok, new: list[int], prev: str, pieces: list[str], on_text) -> str:
     """Byte-level BPE: decode all new tokens, emit what was not emitted yet, hold back a split character."""
     text = tok.decode(new)
@@ -89,75 +59,67 @@ def _emit_tail(tok, new: list[int], prev: str, pieces: list[str], on_text) -> st
     return text
 
 
-def generate(model_path: str, prompt: str, max_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
-             kv_type: str = "f16", threads: int | None = None,
-             on_text: Callable[[str], None] | None = None) -> GenerateResult:
-    """Generate from `prompt`, calling on_text(piece) as text arrives; returns the text and speeds."""
-    if max_tokens < 1:
-        raise QuantgateError("--max-tokens must be at least 1")
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    pieces: list[str] = []
-
-    def emit(b: bytes) -> None:
-        s = decoder.decode(b)
-        if s:
-            pieces.append(s)
-            if on_text:
-                on_text(s)
-
+def _open(model_path: str, kv_type: str, threads: int | None, n_ctx_for):
+    """(runner, tokenizer, context, backend name) for a GGUF, an ONNX export or a model directory. `n_ctx_for(
+    tokenizer, context)` sizes llama.cpp's context to the prompt and its budget (the others need no size)."""
     kind = artifact_kind(model_path)
     if kind == "gguf":
         context = inspect_gguf(model_path).context_length
         check_finite_weights(model_path)
         tok = tokenizer_from_gguf(open_reader(model_path))
-        ids = [tok.bos_id] + tok.encode(prompt)
-        budget = token_budget(len(ids), max_tokens, context, model_path)
-        with LlamaRunner(model_path, n_ctx=len(ids) + budget, kv_type=kv_type, threads=threads,
-                         logits_all=False) as r:
-            for _tid, b in r.generate(ids, budget, temperature, seed, stop_ids=(tok.eos_id,)):
-                emit(b)
-            st = r.last_stats
-            backend = f"llama.cpp:{r.info.file_type} (KV {kv_type})"
-        emit(b"")
-        return GenerateResult("".join(pieces), len(ids), st.generated_tokens, st.prefill_tps, st.decode_tps, backend,
-                              context, budget < max_tokens and st.generated_tokens == budget)
-
+        runner = LlamaRunner(model_path, n_ctx=n_ctx_for(tok, context), kv_type=kv_type, threads=threads,
+                             logits_all=False)
+        return runner, tok, context, f"llama.cpp:{runner.info.file_type} (KV {kv_type})"
     if kind == "onnx":
         onnx_path, model_dir = resolve_onnx(model_path)
         meta = read_meta(model_dir)
         context = onnx_context(model_dir)
         tok = load_tokenizer(model_dir, meta.get("bos_id"), meta.get("eos_id"))
-        ids = [tok.bos_id] + tok.encode(prompt)
-        budget = token_budget(len(ids), max_tokens, context, model_path)
-        with OrtRunner(model_path, threads=threads) as r:
+        n_ctx_for(tok, context)  # the prompt must fit before anything is loaded
+        runner = OrtRunner(model_path, threads=threads)  # checks the graph first
+        try:
             check_finite_initializers(onnx_path)
-            new: list[int] = []
-            prev = ""
-            for t in r.generate(ids, budget, temperature, seed, stop_ids=(tok.eos_id,)):
-                new.append(t)
-                prev = _emit_tail(tok, new, prev, pieces, on_text)
-            pre_s, dec_s, n = r.last_stats
+        except BaseException:
+            runner.close()
+            raise
         scheme = (meta.get("quantization") or {}).get("scheme") or meta.get("dtype", "fp32")
-        return GenerateResult("".join(pieces), len(ids), n, len(ids) / pre_s,
-                              (n - 1) / dec_s if n > 1 and dec_s > 0 else float("nan"), f"onnxruntime:{scheme}",
-                              context, budget < max_tokens and n == budget)
-
+        return runner, tok, context, f"onnxruntime:{scheme}"
     loaded = load_checkpoint(model_path)
     tok = loaded.tokenizer
     if tok is None:
         raise QuantgateError(f"{model_path}: no tokenizer.json, cannot encode the prompt")
+    context = loaded.model.cfg.max_seq_len
+    n_ctx_for(tok, context)
     if threads:
         torch.set_num_threads(threads)
-    ids = [tok.bos_id] + tok.encode(prompt)
-    context = loaded.model.cfg.max_seq_len
-    budget = token_budget(len(ids), max_tokens, context, model_path)
-    timing: dict = {}
+    return TorchRunner(loaded.model), tok, context, "torch"
+
+
+def generate(model_path: str, prompt: str, max_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
+             kv_type: str = "f16", threads: int | None = None,
+             on_text: Callable[[str], None] | None = None) -> GenerateResult:
+    """Generate from `prompt`, calling on_text(piece) as text arrives; returns the text and speeds. Every
+    backend runs the same loop and sampler (quantgate.sampling) on its own KV cache."""
+    if max_tokens < 1:
+        raise QuantgateError("--max-tokens must be at least 1")
+    plan: dict = {}
+
+    def n_ctx_for(tok, context: int) -> int:
+        plan["ids"] = [tok.bos_id] + tok.encode(prompt)
+        plan["budget"] = token_budget(len(plan["ids"]), max_tokens, context, model_path)
+        return len(plan["ids"]) + plan["budget"]
+
+    runner, tok, context, backend = _open(model_path, kv_type, threads, n_ctx_for)
+    ids, budget = plan["ids"], plan["budget"]
+    pieces: list[str] = []
     new: list[int] = []
-    prev = ""
-    for t in _torch_tokens(loaded.model, ids, budget, temperature, seed, tok.eos_id, timing):
-        new.append(t)
-        prev = _emit_tail(tok, new, prev, pieces, on_text)
-    n = len(new)
-    return GenerateResult("".join(pieces), len(ids), n, len(ids) / timing["prefill_s"],
-                          (n - 1) / timing["decode_s"] if n > 1 and timing.get("decode_s") else float("nan"), "torch",
-                          context, budget < max_tokens and n == budget)
+    prev, done = "", None
+    with runner:  # an error or Ctrl-C stops a llama.cpp worker at once
+        for rec in runner.stream(ids, budget, Sampler(temperature, seed=seed), stop_ids=(tok.eos_id,)):
+            if isinstance(rec, Done):
+                done = rec
+            else:
+                new.append(rec.id)
+                prev = _emit_tail(tok, new, prev, pieces, on_text)
+    return GenerateResult("".join(pieces), len(ids), done.new_tokens, done.prefill_tps, done.decode_tps, backend,
+                          context, budget < max_tokens and done.new_tokens == budget)

@@ -4,8 +4,9 @@
   answering requests (logits, tokenize, generate, one bench round) over a socket.
 - `python -m quantgate.llama_worker quantize REQUEST.json`: llama.cpp's quantizer for `quantgate.gguf_quantize`.
 
-It imports only llama-cpp-python, numpy and the standard library: the parents check every file with gguf-py and
-pass plain numbers (ggml_type ids, llama_ftype), so a spawn does not pay for torch or the rest of quantgate.
+It imports only llama-cpp-python, numpy, the standard library and quantgate.sampling (numpy only): the parents
+check every file with gguf-py and pass plain numbers (ggml_type ids, llama_ftype), so a spawn does not pay for
+torch or the rest of quantgate.
 """
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ import json
 import signal
 import sys
 import time
+from dataclasses import asdict
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
+
+from quantgate.sampling import NonFiniteLogits, Sampler, Token, stream
 
 
 def _worker(conn, path: str, n_ctx: int, kv: int, flash: bool, threads: int, logits_all: bool, gpu: int) -> None:
@@ -58,32 +62,43 @@ def _worker(conn, path: str, n_ctx: int, kv: int, flash: bool, threads: int, log
             elif op == "tokenize":
                 conn.send(("ok", llm.tokenize(req[1].encode("utf-8"), add_bos=False, special=False)))
             elif op == "generate":
-                _generate(llm, conn, *req[1:])
+                _generate(llm, llama_cpp, conn, *req[1:])
             elif op == "round":
                 conn.send(("ok", _time_round(llm, *req[1:])))
     finally:
         llm.close()
 
 
-def _generate(llm, conn, ids: list[int], max_tokens: int, temperature: float, seed: int, stop_ids: list[int]):
-    """Stream ('token', id, text) messages, then ('done', GenerationStats)."""
-    llm.set_seed(seed)
-    t0 = time.perf_counter()
-    t_first, n = None, 0
-    for tok in llm.generate(ids, temp=temperature, top_k=40 if temperature > 0 else 1, top_p=0.95, reset=True):
-        now = time.perf_counter()
-        if t_first is None:
-            t_first = now
-        n += 1
-        if tok in stop_ids:
-            break
-        piece = llm.detokenize([tok], prev_tokens=None)
-        conn.send(("token", int(tok), piece))
-        if n >= max_tokens:
-            break
-    end = time.perf_counter()
-    conn.send(("done", {"prompt_tokens": len(ids), "generated_tokens": n, "prefill_s": (t_first or end) - t0,
-                        "decode_s": end - (t_first or end)}))
+class _Steps:
+    """prefill/decode on llama.cpp's context for quantgate.sampling.stream (the loop every backend shares)."""
+
+    def __init__(self, llm, llama_cpp):
+        self.llm, self.lib, self.n_vocab = llm, llama_cpp, llm.n_vocab()
+
+    def _last(self) -> np.ndarray:
+        ptr = self.lib.llama_get_logits_ith(self.llm.ctx, -1)  # the last evaluated position's logits
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float32)
+
+    def prefill(self, ids: list[int]) -> np.ndarray:
+        self.llm.reset()
+        self.llm.eval(ids)
+        return self._last()
+
+    def decode(self, token: int) -> np.ndarray:
+        self.llm.eval([token])
+        return self._last()
+
+
+def _generate(llm, llama_cpp, conn, ids: list[int], max_tokens: int, temperature: float, top_k: int, top_p: float,
+              seed: int, stop_ids: list[int]) -> None:
+    """Stream ('token', id) messages, then ('done', the Done record's fields): quantgate.sampling's loop and
+    sampler, run here next to the model."""
+    try:
+        for rec in stream(_Steps(llm, llama_cpp), ids, max_tokens, Sampler(temperature, top_k, top_p, seed),
+                          tuple(stop_ids)):
+            conn.send(("token", rec.id) if isinstance(rec, Token) else ("done", asdict(rec)))
+    except NonFiniteLogits as e:
+        conn.send(("error", str(e)))
 
 
 def _time_round(llm, prefill_ids: list[int], decode_ids: list[int]) -> tuple[float, float]:

@@ -1,9 +1,10 @@
 """One runner interface for every backend: token ids in, logits for every position out.
 
 Metrics and reports only see `Runner`; the PyTorch (`runners.pytorch`), ONNX Runtime (`runners.ort`) and
-llama.cpp (`runners.llama`) runners implement the same members: `logits(windows)`, `time_round(prefill, decode)`
-for the one bench protocol (`runners.bench`), and `close()`. Logits are float32 numpy arrays so backends compare
-without framework conversions.
+llama.cpp (`runners.llama`) runners implement the same members: `logits(windows)`; `stream(ids, max_tokens,
+sampler)`, generation as token records from quantgate.sampling's one loop and sampler (`generate` yields the ids);
+`time_round(prefill, decode)` for the one bench protocol (`runners.bench`); `close()`. Logits are float32 numpy
+arrays so backends compare without framework conversions.
 """
 from __future__ import annotations
 

@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Iterator
@@ -27,6 +26,7 @@ import numpy as np
 from ..errors import QuantgateError
 from ..formats.gguf import GGUFInfo, inspect_gguf
 from ..quant.schemes import GGUF_KV_TYPES, ggml_type
+from ..sampling import Done, Sampler, Token
 from .bench import bench
 from .device import cuda_index
 
@@ -34,21 +34,7 @@ KV_TYPES = {k: ggml_type(k) for k in GGUF_KV_TYPES}  # KV-cache type -> ggml_typ
 QUANTIZED_KV = ("q8_0", "q4_0")  # llama.cpp needs flash attention for a quantized V cache
 
 
-@dataclass
-class GenerationStats:
-    prompt_tokens: int
-    generated_tokens: int
-    prefill_s: float
-    decode_s: float
-
-    @property
-    def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
-
-    @property
-    def decode_tps(self) -> float:
-        return (self.generated_tokens - 1) / self.decode_s if self.decode_s > 0 and self.generated_tokens > 1 \
-            else float("nan")
+GenerationStats = Done  # the name before quantgate.sampling, kept for one release
 
 
 # --- parent ----------------------------------------------------------------------------------------
@@ -123,18 +109,28 @@ class LlamaRunner:
         self._conn.send(("tokenize", text))
         return self._recv("tokenizing with")
 
-    def generate(self, ids: list[int], max_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
-                 stop_ids: tuple[int, ...] = ()) -> Iterator[tuple[int, bytes]]:
-        """Yield (token id, bytes) as llama.cpp produces them; `self.last_stats` holds the timings after."""
+    def stream(self, ids: list[int], max_tokens: int, sampler: Sampler,
+               stop_ids: tuple[int, ...] = ()) -> Iterator[Token | Done]:
+        """quantgate.sampling's records, from its loop and sampler running in the worker next to the model."""
         if len(ids) + max_tokens > self.n_ctx:
             raise QuantgateError(f"prompt ({len(ids)} tokens) + {max_tokens} new tokens exceed the context {self.n_ctx}")
-        self._conn.send(("generate", list(ids), max_tokens, temperature, seed, list(stop_ids)))
+        self._conn.send(("generate", list(ids), max_tokens, sampler.temperature, sampler.top_k, sampler.top_p,
+                         sampler.seed, list(stop_ids)))
         while True:
             msg = self._recv_stream()
+            if msg[0] == "error":
+                raise QuantgateError(f"{self.path}: {msg[1]}")
             if msg[0] == "done":
-                self.last_stats = GenerationStats(**msg[1])
+                yield Done(**msg[1])
                 return
-            yield msg[1], msg[2]
+            yield Token(msg[1])
+
+    def generate(self, ids: list[int], max_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
+                 stop_ids: tuple[int, ...] = ()) -> Iterator[int]:
+        """New token ids (the same on every runner for the same logits, seed and settings)."""
+        for rec in self.stream(ids, max_tokens, Sampler(temperature, seed=seed), stop_ids):
+            if isinstance(rec, Token):
+                yield rec.id
 
     def _recv_stream(self):
         try:

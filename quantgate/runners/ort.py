@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import QuantgateError
 from ..formats.onnx_io import check_graph, read_meta, resolve_onnx
+from ..sampling import Done, NonFiniteLogits, Sampler, Token, stream
 from .bench import bench
 from .device import cuda_index
 
@@ -97,32 +98,30 @@ class OrtRunner:
         lg, _ = self.step(np.asarray(windows), self._empty_past(len(windows)), 0)
         return lg
 
+    def prefill(self, ids: list[int]) -> np.ndarray:
+        """An empty cache, then the prompt in one batch: the last position's logits (quantgate.sampling)."""
+        logits, self._past = self.step(np.asarray([ids]), self._empty_past(1), 0)
+        self._pos = len(ids)
+        return logits[0, -1]
+
+    def decode(self, token: int) -> np.ndarray:
+        logits, self._past = self.step(np.asarray([[token]]), self._past, self._pos)
+        self._pos += 1
+        return logits[0, -1]
+
+    def stream(self, ids: list[int], max_tokens: int, sampler: Sampler,
+               stop_ids: tuple[int, ...] = ()) -> Iterator[Token | Done]:
+        try:
+            yield from stream(self, ids, max_tokens, sampler, stop_ids)
+        except NonFiniteLogits:
+            raise QuantgateError(f"{self.path} produced NaN or Inf logits") from None
+
     def generate(self, ids: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0,
                  stop_ids: tuple[int, ...] = ()) -> Iterator[int]:
-        """Yield new token ids; `self.last_stats` = (prefill seconds, decode seconds, new tokens)."""
-        rng = np.random.default_rng(seed)
-        t0 = time.perf_counter()
-        logits, past = self.step(np.asarray([ids]), self._empty_past(1), 0)
-        t1 = time.perf_counter()
-        pos, n = len(ids), 0
-        while True:
-            last = logits[0, -1].astype(np.float64)
-            if not np.isfinite(last).all():
-                raise QuantgateError(f"{self.path} produced NaN or Inf logits")
-            if temperature > 0:
-                p = np.exp((last - last.max()) / temperature)
-                tok = int(rng.choice(len(p), p=p / p.sum()))
-            else:
-                tok = int(last.argmax())
-            if tok in stop_ids:
-                break
-            n += 1
-            yield tok
-            if n >= max_tokens:
-                break
-            logits, past = self.step(np.asarray([[tok]]), past, pos)
-            pos += 1
-        self.last_stats = (t1 - t0, time.perf_counter() - t1, n)
+        """New token ids (the same on every runner for the same logits, seed and settings)."""
+        for rec in self.stream(ids, max_tokens, Sampler(temperature, seed=seed), stop_ids):
+            if isinstance(rec, Token):
+                yield rec.id
 
     def time_round(self, prefill_ids: list[int], decode_ids: list[int]) -> tuple[float, float]:
         """Seconds to prefill `prefill_ids` in one batch from an empty cache, then decode `decode_ids` one at a

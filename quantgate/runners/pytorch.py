@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import time
+from typing import Iterator
 
 import numpy as np
 import torch
 
+from ..errors import QuantgateError
 from ..model import Model
 from ..quant.simulate import saved_kv_bits
+from ..sampling import Done, NonFiniteLogits, Sampler, Token, stream
 from .bench import bench
 from .device import torch_device
 
@@ -33,6 +36,29 @@ class TorchRunner:
         return np.concatenate(out, axis=0)
 
     @torch.inference_mode()
+    def prefill(self, ids: list[int]) -> np.ndarray:
+        """An empty KV cache, then the prompt in one batch: the last position's logits (quantgate.sampling)."""
+        m = self.model
+        out = m(torch.tensor([ids], device=self.device), past=[None] * m.cfg.n_layers, kv_bits=self.kv_bits)
+        self._past, self._pos = out["past"], len(ids)
+        return out["logits"][0, -1].float().cpu().numpy()
+
+    @torch.inference_mode()
+    def decode(self, token: int) -> np.ndarray:
+        out = self.model(torch.tensor([[token]], device=self.device), past=self._past, start_pos=self._pos,
+                         kv_bits=self.kv_bits)
+        self._past, self._pos = out["past"], self._pos + 1
+        return out["logits"][0, -1].float().cpu().numpy()
+
+    def stream(self, ids: list[int], max_tokens: int, sampler: Sampler,
+               stop_ids: tuple[int, ...] = ()) -> Iterator[Token | Done]:
+        try:
+            yield from stream(self, ids, max_tokens, sampler, stop_ids)
+        except NonFiniteLogits:
+            raise QuantgateError(f"{self.name}: the model produced NaN or Inf logits: its activations overflowed") \
+                from None
+
+    @torch.inference_mode()
     def time_round(self, prefill_ids: list[int], decode_ids: list[int]) -> tuple[float, float]:
         """Seconds to prefill `prefill_ids` in one batch from an empty KV cache, then decode `decode_ids` one at a
         time on it (the runners' bench protocol, quantgate.runners.bench)."""
@@ -53,3 +79,12 @@ class TorchRunner:
     def bench(self, prefill_ids: list[int], decode_ids: list[int], repeats: int = 5, warmup: int = 0) -> dict:
         """Medians over `repeats` rounds of `time_round` (quantgate.runners.bench)."""
         return bench([self], prefill_ids, decode_ids, rounds=repeats, warmup=warmup)[0]
+
+    def close(self) -> None:
+        """Nothing to release (the model stays the caller's); here so every runner has the same interface."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
