@@ -55,10 +55,8 @@ def plot_reports(reports: dict[str, dict], out_dir: str | Path) -> list[Path]:
         layers = [l["layer"] for l in rep["layers"]]
         ax.plot(layers, [l["max_abs"] for l in rep["layers"]], marker="o", label=f"{name}: max |h|")
         ax.plot(layers, [l["median_abs"] for l in rep["layers"]], ls="--", marker=".", label=f"{name}: median |h|")
-    ax.set_yscale("log")
-    ax.set_xlabel("layer")
-    ax.set_ylabel("|h| of the residual stream after the block")
-    ax.set_title("massive activations")
+    ax.set(yscale="log", xlabel="layer", ylabel="|h| of the residual stream after the block",
+           title="massive activations")
     ax.legend(fontsize=8)
     paths.append(save_figure(fig, out_dir / "max_activation.png"))
     plt.close(fig)

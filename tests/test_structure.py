@@ -88,10 +88,10 @@ def _ancestors(m: str) -> set[str]:
     return {".".join(parts[:k]) for k in range(1, len(parts))}
 
 
-def test_no_import_cycles():
-    """The project's modules form layers: no module imports (directly or through others) one that imports it.
-    Function-level imports count too, so a cycle cannot hide inside a function."""
-    graph, state, cycles = _graph(), {}, []
+def find_cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Every edge a depth-first walk finds closing a cycle, as the path around it."""
+    state: dict[str, str] = {}
+    cycles: list[str] = []
 
     def visit(m: str, stack: list[str]) -> None:
         state[m] = "open"
@@ -105,14 +105,26 @@ def test_no_import_cycles():
     for m in sorted(graph):
         if m not in state:
             visit(m, [])
+    return cycles
+
+
+def late_imports() -> list[str]:
+    """Imports of project modules inside functions, outside cli.py."""
+    return sorted({f"{m} imports {t}" for m in MODULES if m != "quantgate.cli"
+                   for t, top, _names in _imports(m) if not top})
+
+
+def test_no_import_cycles():
+    """The project's modules form layers: no module imports (directly or through others) one that imports it.
+    Function-level imports count too, so a cycle cannot hide inside a function."""
+    cycles = find_cycles(_graph())
     assert cycles == [], cycles[:5]
 
 
 def test_project_imports_at_the_top():
     """Every file imports the project's modules at its top, where a reader sees what it depends on; only the CLI
     imports its commands' modules when they run (its start-up time, see cli.py's docstring)."""
-    late = sorted({f"{m} imports {t}" for m in MODULES if m != "quantgate.cli"
-                   for t, top, _names in _imports(m) if not top})
+    late = late_imports()
     assert late == [], late[:10]
 
 

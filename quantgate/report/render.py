@@ -46,7 +46,8 @@ CELL_COLUMNS = (
 LAYER_COLUMNS = (
     Column("layer", _get("layer")), Column("max abs h", _get("max_abs"), ".1f"),
     Column("max/median", _get("max_over_median"), ".1f"), Column("BOS attention", _get("bos_attention_mean"), ".3f"),
-    Column("o_proj inf-norm", _get("o_proj_inf_norm"), ".1f"), Column("o_proj kurtosis", _get("o_proj_kurtosis"), ".1f"),
+    Column("o_proj inf-norm", _get("o_proj_inf_norm"), ".1f"),
+    Column("o_proj kurtosis", _get("o_proj_kurtosis"), ".1f"),
     Column("down_proj inf-norm", _get("down_proj_inf_norm"), ".1f"),
     Column("down_proj kurtosis", _get("down_proj_kurtosis"), ".1f"),
     Column("gate mean", _get("gate_mean"), ".3f"), Column("gate < 0.1", _get("gate_frac_below_0.1"), ".1%"),
@@ -150,11 +151,8 @@ def report_plots(rep: dict, out_dir: Path) -> list[Path]:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color=color, label=twin)
                 for x, y, name in pts:
                     ax.annotate(name, (x, y), fontsize=6, xytext=(2, 2), textcoords="offset points")
-        ax.set_yscale("log")
-        ax.set_xlabel("bits per weight" + (" (as stored, block Linears)" if backend == "torch"
-                                           else " (whole file, embeddings included)"))
-        ax.set_ylabel("KL divergence vs float")
-        ax.set_title(backend)
+        stored = " (as stored, block Linears)" if backend == "torch" else " (whole file, embeddings included)"
+        ax.set(yscale="log", xlabel="bits per weight" + stored, ylabel="KL divergence vs float", title=backend)
         ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(save_figure(fig, out_dir / "kld_vs_bits.png"))
@@ -166,10 +164,8 @@ def report_plots(rep: dict, out_dir: Path) -> list[Path]:
             if link:
                 ax.scatter([p["inf_norm"] for p in link["points"]], [p["sqnr_db"] for p in link["points"]], c=color,
                            label=f"{twin} (r = {link['pearson_log_infnorm_vs_sqnr']:+.2f})", s=18)
-        ax.set_xscale("log")
-        ax.set_xlabel("linear-layer input inf-norm (max |x|)")
-        ax.set_ylabel("W8A8-static output SQNR (dB)")
-        ax.set_title("larger activations, larger quantization error?")
+        ax.set(xscale="log", xlabel="linear-layer input inf-norm (max |x|)", ylabel="W8A8-static output SQNR (dB)",
+               title="larger activations, larger quantization error?")
         ax.legend(fontsize=8)
         paths.append(save_figure(fig, out_dir / "sqnr_vs_infnorm.png"))
     return paths
