@@ -24,7 +24,7 @@ from .formats.onnx import check_finite_initializers, onnx_context
 from .formats.onnx_io import read_meta, resolve_onnx
 from .fsio import atomic_file
 from .identity import code_id, content_id, key
-from .metrics import layer_sqnr, position_kld, token_nll
+from .metrics import kld_summary, layer_sqnr, position_kld, token_nll, top1_match
 from .progress import track
 from .runners import LlamaRunner, OrtRunner, Runner, TorchRunner
 from .tokenizer import load_tokenizer
@@ -197,11 +197,10 @@ def compare_to_reference(runner: Runner, ref_logits: np.ndarray, windows: np.nda
         nll.append(token_nll(lg, w).reshape(-1))
         ref_nll.append(token_nll(rl, w).reshape(-1))
         kld.append(position_kld(rl, lg).reshape(-1))
-        top1.append((rl.argmax(-1) == lg.argmax(-1)).reshape(-1))
+        top1.append(top1_match(rl, lg).reshape(-1))
     nll, ref_nll, kld, top1 = (np.concatenate(a) for a in (nll, ref_nll, kld, top1))
     ppl, ref_ppl = math.exp(nll.mean()), math.exp(ref_nll.mean())
+    summary = {k: v for k, v in kld_summary(kld, top1).items() if k != "positions"}  # n_tokens says it
     return {"ppl": ppl, "mean_nll": float(nll.mean()), "n_tokens": int(nll.size), "n_windows": len(windows),
             "ctx": int(windows.shape[1]), "reference_ppl": ref_ppl, "delta_ppl": ppl - ref_ppl,
-            "delta_ppl_pct": 100 * (ppl / ref_ppl - 1), "kld_mean": float(kld.mean()),
-            "kld_p99": float(np.percentile(kld, 99)), "kld_max": float(kld.max()),
-            "top1_agreement": float(top1.mean())}
+            "delta_ppl_pct": 100 * (ppl / ref_ppl - 1), **summary}

@@ -32,13 +32,22 @@ def position_kld(ref_logits: np.ndarray, test_logits: np.ndarray) -> np.ndarray:
     return (np.exp(lp) * (lp - lq)).sum(axis=-1)
 
 
+def top1_match(ref_logits: np.ndarray, test_logits: np.ndarray) -> np.ndarray:
+    """Whether the two agree on the most likely token, per position: [..., V] -> [...]."""
+    return ref_logits.argmax(-1) == test_logits.argmax(-1)
+
+
+def kld_summary(kld: np.ndarray, top1: np.ndarray) -> dict:
+    """The one summary every comparison reports: KLD mean, p99 and max over positions, and top-1 agreement."""
+    kld, top1 = kld.reshape(-1), top1.reshape(-1)
+    return {"kld_mean": float(kld.mean()), "kld_p99": float(np.percentile(kld, 99)), "kld_max": float(kld.max()),
+            "top1_agreement": float(top1.mean()), "positions": int(kld.size)}
+
+
 def logit_errors(ref_logits: np.ndarray, test_logits: np.ndarray) -> dict:
     if ref_logits.shape != test_logits.shape:
         raise ValueError(f"logit shapes differ: {ref_logits.shape} vs {test_logits.shape}")
-    kld = position_kld(ref_logits, test_logits).reshape(-1)
-    top1 = (ref_logits.argmax(-1) == test_logits.argmax(-1)).reshape(-1)
-    return {"kld_mean": float(kld.mean()), "kld_p99": float(np.percentile(kld, 99)), "kld_max": float(kld.max()),
-            "top1_agreement": float(top1.mean()), "positions": int(kld.size)}
+    return kld_summary(position_kld(ref_logits, test_logits), top1_match(ref_logits, test_logits))
 
 
 SQNR_CAP_DB = 120.0  # a token quantized without error counts as this, so means stay finite
