@@ -304,10 +304,10 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
     from dataclasses import replace
 
     from quantgate import quant
-    from quantgate.quant.build import CalibSettings, quantize
-    if list_schemes:
+    if list_schemes:  # the registry alone: no torch, onnx or llama.cpp to import
         _print_schemes(None if backend == "auto" else CLI_BACKENDS[backend], as_json)
         return
+    from quantgate.quant.build import CalibSettings, quantize
     if model is None or out is None:
         raise QuantgateError(f"missing {'MODEL' if model is None else '--out'}: quantgate quantize MODEL --out PATH "
                              f"(a model directory, a .gguf or an ONNX export), or --list to see the schemes")

@@ -243,3 +243,16 @@ def test_nothing_outside_the_model_sets_its_attention_state():
     poke = re.compile(r"\.self_attn\.\w+\s*=[^=]")
     where = [str(p.relative_to(ROOT)) for p in SOURCES if poke.search(p.read_text())]
     assert where == [], where
+
+
+def test_the_registry_and_the_cli_help_import_no_torch():
+    """The registry sits below everything (quant/__init__ holds only it), so `quantgate --help` and
+    `quantgate quantize --list` answer without importing torch, onnx or llama.cpp."""
+    import subprocess
+    import sys
+    probe = ("import sys\nfrom quantgate.cli import main\nfor argv in (['--help'], ['quantize', '--list', '--json']):\n"
+             "    try:\n        main(argv, prog_name='quantgate')\n    except SystemExit:\n        pass\n"
+             "print('HEAVY', sorted(m for m in ('torch', 'onnx', 'onnxruntime', 'llama_cpp') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd="/")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "HEAVY []", r.stdout[-500:]
