@@ -62,6 +62,9 @@ class Layout:
     architecture: str
     zero_centred_norms: bool = False  # norms stored as w - 1 (Qwen3-Next)
     default_head_dim: int = 128       # transformers' default when config.json has no head_dim
+    gated: bool = False               # holds gated models (True) or only gate-free ones (False)
+    partial_rotary_ok: bool = False   # config.json can say partial_rotary_factor
+    needs_qk_norm: bool = True        # its architecture always applies QK-norm
     description: str = ""
 
     def matches(self, hf: dict) -> bool:
@@ -78,10 +81,12 @@ class Layout:
         return 1.0
 
     def cannot_hold(self, cfg: ModelConfig) -> str | None:
-        """Why a model with `cfg` cannot be written in this layout (None: it can)."""
-        if cfg.partial_rotary != 1.0:
+        """Why a model with `cfg` cannot be written in this layout (None: it can), from the row's three flags."""
+        if (cfg.gate != "none") != self.gated:
+            return f"a model with gate '{cfg.gate}' cannot be written in the {self.name} layout"
+        if cfg.partial_rotary != 1.0 and not self.partial_rotary_ok:
             return f"partial rotary ({cfg.partial_rotary}) can only be written in the qwen3_next layout"
-        if not cfg.qk_norm:
+        if not cfg.qk_norm and self.needs_qk_norm:
             return "a model without QK-norm can only be written in the official layout"
         return None
 
@@ -105,17 +110,13 @@ class Qwen3(Layout):
     def matches(self, hf: dict) -> bool:
         return super().matches(hf) and not _official_gate(hf)
 
-    def cannot_hold(self, cfg: ModelConfig) -> str | None:
-        if cfg.gate != "none":
-            return f"a model with gate '{cfg.gate}' cannot be written in the {self.name} layout"
-        return super().cannot_hold(cfg)
-
     def config_fields(self, cfg: ModelConfig) -> dict:
         return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers}
 
 
 class Official(Layout):
     name, model_type, architecture = "official", "qwen3", "Qwen3ForCausalLM"
+    gated, needs_qk_norm = True, False
     description = "official gated-attention (qwen3 + attn_output_gate, per-KV-group gate rows)"
 
     def matches(self, hf: dict) -> bool:
@@ -125,13 +126,6 @@ class Official(Layout):
         gate = "headwise" if f.bool("headwise_attn_output_gate", False) else "elementwise"
         f.bool("elementwise_attn_output_gate", False)  # checked for its type too
         return gate
-
-    def cannot_hold(self, cfg: ModelConfig) -> str | None:
-        if cfg.gate == "none":
-            return f"a model with gate '{cfg.gate}' cannot be written in the {self.name} layout"
-        if cfg.partial_rotary != 1.0:
-            return f"partial rotary ({cfg.partial_rotary}) can only be written in the qwen3_next layout"
-        return None
 
     def config_fields(self, cfg: ModelConfig) -> dict:
         return {"headwise_attn_output_gate": cfg.gate == "headwise", "elementwise_attn_output_gate": cfg.gate ==
@@ -153,7 +147,7 @@ class Official(Layout):
 
 class Qwen3Next(Layout):
     name, model_type, architecture = "qwen3_next", "qwen3_next", "Qwen3NextForCausalLM"
-    zero_centred_norms, default_head_dim = True, 256
+    zero_centred_norms, default_head_dim, gated, partial_rotary_ok = True, 256, True, True
     description = "Qwen3-Next (per-head interleaved [q | gate], zero-centred norms)"
 
     def gate_of(self, f) -> str:
@@ -164,13 +158,6 @@ class Qwen3Next(Layout):
 
     def partial_rotary(self, f) -> float:
         return f.float("partial_rotary_factor", 0.25, hi=1.0)
-
-    def cannot_hold(self, cfg: ModelConfig) -> str | None:
-        if cfg.gate == "none":
-            return f"a model with gate '{cfg.gate}' cannot be written in the {self.name} layout"
-        if not cfg.qk_norm:
-            return "a model without QK-norm can only be written in the official layout"
-        return None
 
     def config_fields(self, cfg: ModelConfig) -> dict:
         return {"partial_rotary_factor": cfg.partial_rotary, "layer_types": ["full_attention"] * cfg.n_layers,

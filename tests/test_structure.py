@@ -256,3 +256,20 @@ def test_the_registry_and_the_cli_help_import_no_torch():
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd="/")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "HEAVY []", r.stdout[-500:]
+
+
+def test_each_layout_refuses_the_models_it_cannot_hold():
+    """Gate-free models only in qwen3, gated ones only in official/qwen3_next; partial rotary only in qwen3_next;
+    a model without QK-norm only in official: the rows' flags, checked on every combination."""
+    import dataclasses
+
+    from quantgate.layouts import LAYOUTS
+    from quantgate.model import preset
+    for gate in ("none", "headwise", "elementwise"):
+        for rotary in (1.0, 0.5):
+            for qk in (True, False):
+                cfg = dataclasses.replace(preset("tiny", gate=gate), partial_rotary=rotary, qk_norm=qk)
+                for name, lay in LAYOUTS.items():
+                    fits = ((gate == "none") == (name == "qwen3") and (rotary == 1.0 or name == "qwen3_next")
+                            and (qk or name == "official"))
+                    assert (lay.cannot_hold(cfg) is None) == fits, (name, gate, rotary, qk)
