@@ -43,7 +43,7 @@ def main() -> None:
     from quantgate.export.onnx import export_checkpoint
     from quantgate.gate_survival import check_gate_survival
     from quantgate.onnx_quantize import quantize_onnx
-    from quantgate.runners import OrtRunner
+    from quantgate.runners import OrtRunner, TorchRunner
 
     run, work = Path(args.run), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -79,7 +79,7 @@ def main() -> None:
                                                                      "max_frac_crossed_0.5")}
         model = load_checkpoint(src).model
         with torch.no_grad():
-            hidden = model(torch.as_tensor(windows), return_hidden=True)["hidden"]
+            hidden = model(torch.as_tensor(windows), return_hidden=True).hidden
         peak = max(float(h.abs().max()) for h in hidden)
         result["fp16"][twin] = {"max_abs_residual": peak, "fp16_max": 65504.0, "headroom": 65504.0 / peak,
                                 "fp16_logits_finite": acc["fp16"]["finite"], "fp16_kld": acc["fp16"]["kld_mean"]}
@@ -87,11 +87,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ids = [int(t) for t in windows[0]]
     for twin in ("baseline", "gated"):
-        model = load_checkpoint(run / twin).model
+        torch_runner = TorchRunner(load_checkpoint(run / twin).model)  # eager fp32 with our KV cache
         runners = {name: OrtRunner(work / f"{twin}-{name}", threads=args.threads) for name in SPEED}
         samples = {k: [] for k in ["torch", *SPEED]}
         for _ in range(args.repeats):
-            samples["torch"].append(_torch_bench(model, ids[:128], ids[128:192]))
+            samples["torch"].append(dict(zip(("prefill_s", "decode_s"), torch_runner.time_round(ids[:128], ids[128:192]))))
             for name, r in runners.items():
                 samples[name].append(r.bench(ids[:128], ids[128:192], repeats=1))
         for r in runners.values():
@@ -111,21 +111,6 @@ def main() -> None:
     result["seconds"] = time.time() - t0
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     write_markdown(result, Path(args.out).with_suffix(".md"))
-
-
-def _torch_bench(model, prefill: list[int], decode: list[int]) -> dict:
-    """PyTorch eager fp32 with our KV cache: one batched prefill, then one token per step."""
-    import torch
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        out = model(torch.tensor([prefill]), past=[None] * model.cfg.n_layers)
-        t1 = time.perf_counter()
-        past, pos = out["past"], len(prefill)
-        for t in decode:
-            out = model(torch.tensor([[t]]), past=past, start_pos=pos)
-            past, pos = out["past"], pos + 1
-        t2 = time.perf_counter()
-    return {"prefill_s": t1 - t0, "decode_s": t2 - t1}
 
 
 def write_markdown(r: dict, path: Path) -> None:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 def step_time(model, opt, batch, hf: bool) -> float:
     t = time.perf_counter()
     inp, tgt = batch[:, :-1], batch[:, 1:]
-    logits = model(inp, use_cache=False).logits if hf else model(inp)
+    logits = model(inp, use_cache=False).logits if hf else model(inp).logits
     loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1))
     opt.zero_grad(set_to_none=True)
     loss.backward()

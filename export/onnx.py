@@ -49,8 +49,8 @@ class DecoderWithPast(nn.Module):
         L = self.model.cfg.n_layers
         past = [(past_flat[2 * i], past_flat[2 * i + 1]) for i in range(L)]
         out = self.model(input_ids, past=past, position_ids=position_ids, key_mask=attention_mask)
-        flat = [t for kv in out["past"] for t in kv]
-        return (out["logits"], *flat)
+        flat = [t for kv in out.past for t in kv]
+        return (out.logits, *flat)
 
 
 def example_inputs(cfg, batch: int = 2, seq: int = 3, past: int = 4) -> tuple:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -250,6 +251,20 @@ class Block(nn.Module):
         return h, present, probs
 
 
+class ModelOutput(NamedTuple):
+    """What every `Model.forward` call returns (one type, HF's `CausalLMOutputWithPast` shape, as a NamedTuple so
+    torch.compile, DDP and the ONNX exporter's tracer see plain tensors in a tuple).
+
+    logits: [B, T, V] fp32. past: per-layer (k, v) [B, KV, P+T, hd], the cache to pass to the next call.
+    attn_probs: per-layer [B, H, T, P+T] when called with probe=True, else empty. hidden: per-layer block outputs
+    [B, T, D] when called with return_hidden=True, else empty (on_layer receives them instead when given).
+    """
+    logits: torch.Tensor
+    past: list
+    attn_probs: list
+    hidden: list
+
+
 class Model(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -275,10 +290,10 @@ class Model(nn.Module):
 
     def forward(self, idx: torch.Tensor, past=None, start_pos: int = 0, probe: bool = False,
                 return_hidden: bool = False, on_layer=None, position_ids: torch.Tensor | None = None,
-                key_mask: torch.Tensor | None = None, kv_bits: int | None = None):
-        """idx: [B, T] token ids. Returns logits [B, T, V] (fp32) or a dict when past/probe/hidden is used.
+                key_mask: torch.Tensor | None = None, kv_bits: int | None = None) -> ModelOutput:
+        """idx: [B, T] token ids. Returns a ModelOutput (logits, the new cache, and what probe/return_hidden ask for).
 
-        past: list of per-layer (k, v) from an earlier call (generation); start_pos: its length.
+        past: list of per-layer (k, v) from an earlier call (generation; None: an empty cache); start_pos: its length.
         on_layer(i, h, probs): called after each block with its output (and attention probabilities when
         probe=True) instead of collecting them, so analysis holds one layer's tensors at a time.
         position_ids [B, T] and key_mask [B, P+T] (exported graphs) replace start_pos and the implicit mask.
@@ -302,9 +317,7 @@ class Model(nn.Module):
             if return_hidden:
                 hidden.append(h)
         logits = self.lm_head(self.norm(h)).float()
-        if past is None and not probe and not return_hidden:
-            return logits
-        return {"logits": logits, "past": presents, "attn_probs": probs, "hidden": hidden}
+        return ModelOutput(logits, presents, probs, hidden)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights counted once by parameters()

@@ -260,7 +260,7 @@ def train(tc: TrainConfig, out: str | Path, resume: bool = False) -> dict[str, P
                 for g in optims[k].param_groups:
                     g["lr"] = lr
                 with amp:
-                    logits = m(batch[:, :-1])
+                    logits = m(batch[:, :-1]).logits
                 loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                                          batch[:, 1:].reshape(-1))
                 optims[k].zero_grad(set_to_none=True)

@@ -44,7 +44,7 @@ def _checkpoint(kind: str, d, std: float = 0.1):
     m = _ours(gate, std=std)
     save_checkpoint(m, d, tok, layout=layout)
     with torch.no_grad():
-        ref = load_checkpoint(d).model(torch.as_tensor(WINDOWS)).numpy()
+        ref = load_checkpoint(d).model(torch.as_tensor(WINDOWS)).logits.numpy()
     return d, ref
 
 
@@ -112,7 +112,7 @@ def quant_model(tmp_path_factory):
     w = np.random.default_rng(0).integers(3, 259, (4, 64))
     w[:, 0] = 0
     with torch.no_grad():
-        ref = m(torch.as_tensor(w)).numpy()
+        ref = m(torch.as_tensor(w)).logits.numpy()
     return d, w, ref
 
 

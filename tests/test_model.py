@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import randomize_, rel_err
-from quantgate.model import PRESETS, ModelConfig, build_model, make_twins, preset
+from quantgate.model import PRESETS, ModelConfig, ModelOutput, build_model, make_twins, preset
 
 IDS = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
 
@@ -15,10 +15,10 @@ IDS = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
 def test_probe_path_equals_sdpa_path(gate, partial):
     m = build_model(preset("tiny", gate=gate, partial_rotary=partial), seed=0).eval()
     randomize_(m)
-    fast = m(IDS)
+    fast = m(IDS).logits
     out = m(IDS, probe=True)
-    assert rel_err(out["logits"], fast) < 1e-5
-    probs = out["attn_probs"]
+    assert rel_err(out.logits, fast) < 1e-5
+    probs = out.attn_probs
     assert len(probs) == m.cfg.n_layers and probs[0].shape == (2, m.cfg.n_heads, 24, 24)
     assert torch.allclose(probs[0].sum(-1), torch.ones(2, m.cfg.n_heads, 24))
     assert (probs[0].triu(1) == 0).all()  # causal
@@ -28,12 +28,12 @@ def test_probe_path_equals_sdpa_path(gate, partial):
 def test_kv_cache_equals_full_forward(gate):
     m = build_model(preset("tiny", gate=gate), seed=0).eval()
     randomize_(m)
-    full = m(IDS)
+    full = m(IDS).logits
     first = m(IDS[:, :10], past=None, start_pos=0, return_hidden=True)
-    chunk = m(IDS[:, 10:17], past=first["past"], start_pos=10)  # a multi-token step on a cache
-    step = m(IDS[:, 17:18], past=chunk["past"], start_pos=17)   # one decode step
-    assert rel_err(chunk["logits"], full[:, 10:17]) < 1e-5
-    assert rel_err(step["logits"], full[:, 17:18]) < 1e-5
+    chunk = m(IDS[:, 10:17], past=first.past, start_pos=10)  # a multi-token step on a cache
+    step = m(IDS[:, 17:18], past=chunk.past, start_pos=17)   # one decode step
+    assert rel_err(chunk.logits, full[:, 10:17]) < 1e-5
+    assert rel_err(step.logits, full[:, 17:18]) < 1e-5
 
 
 def test_headwise_gate_scales_whole_heads():
@@ -86,3 +86,20 @@ def test_bad_config_rejected():
         ModelConfig(gate="sometimes")
     with pytest.raises(ValueError, match="multiple"):
         ModelConfig(n_heads=4, n_kv_heads=3)
+
+
+def test_forward_has_one_return_type():
+    """Whatever a call asks for (cache, probes, hidden states, a layer callback), it gets a ModelOutput back;
+    what it did not ask for is empty, and the cache is always there for the next call."""
+    m = build_model(preset("tiny", gate="elementwise"), seed=0).eval()
+    calls = [{}, {"past": None}, {"probe": True}, {"return_hidden": True}, {"on_layer": lambda i, h, p: None},
+             {"kv_bits": 8}]
+    with torch.inference_mode():
+        for kw in calls:
+            out = m(IDS[:, :6], **kw)
+            assert type(out) is ModelOutput, kw
+            assert out.logits.shape == (2, 6, m.cfg.vocab_size) and len(out.past) == m.cfg.n_layers, kw
+            assert len(out.attn_probs) == (m.cfg.n_layers if kw.get("probe") else 0), kw
+            assert len(out.hidden) == (m.cfg.n_layers if kw.get("return_hidden") else 0), kw
+        nxt = m(IDS[:, 6:7], past=out.past, start_pos=6)
+        assert type(nxt) is ModelOutput and nxt.past[0][0].shape[2] == 7

@@ -46,7 +46,7 @@ def test_onnx_logits_match_pytorch_prefill_decode_and_chunk(exports, gate, form)
     # GroupQueryAttention on CPU takes several new tokens on a cache only for batch 1
     w = W[:1] if form == "gqa" else W
     with torch.no_grad():
-        ref = models[gate](torch.as_tensor(W)).numpy()
+        ref = models[gate](torch.as_tensor(W)).logits.numpy()
     with OrtRunner(d / f"{gate}-{form}") as r:
         assert rel_err(r.logits(W), ref) <= 1e-5  # prefill on an empty cache
         lg0, past = r.step(w[:, :20], r._empty_past(len(w)), 0)
@@ -86,11 +86,11 @@ def test_optimum_opens_the_baseline_export_and_generates(exports):
     ort_model = ORTModelForCausalLM.from_pretrained(d / "none-23", use_cache=True, use_io_binding=False)
     ids = torch.as_tensor(W[:1, :10])
     with torch.no_grad():
-        ref = models["none"](ids).numpy()
+        ref = models["none"](ids).logits.numpy()
         out = ort_model(input_ids=ids, attention_mask=torch.ones_like(ids))
     assert rel_err(out.logits.numpy(), ref) <= 1e-5
     gen = ort_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
-    ours = [int(models["none"](torch.as_tensor(gen[:, :k])).argmax(-1)[0, -1]) for k in range(10, 16)]
+    ours = [int(models["none"](torch.as_tensor(gen[:, :k])).logits.argmax(-1)[0, -1]) for k in range(10, 16)]
     assert gen[0, 10:].tolist() == ours  # greedy continuation equals our model's
 
 
@@ -100,7 +100,7 @@ def test_loaded_back_from_onnx_equals_the_source(exports, name):
     gate = name.split("-")[0]
     back = load_checkpoint(d / name)
     with torch.no_grad():
-        a, b = back.model(torch.as_tensor(W)), models[gate](torch.as_tensor(W))
+        a, b = back.model(torch.as_tensor(W)).logits, models[gate](torch.as_tensor(W)).logits
     assert back.model.cfg.gate == gate and rel_err(a, b) <= 1e-6
 
 
@@ -109,7 +109,7 @@ def test_fp16_export_runs_close_to_fp32(tmp_path):
     save_checkpoint(m, tmp_path / "m", byte_tokenizer())
     export_checkpoint(tmp_path / "m", tmp_path / "o16", dtype="fp16")
     with torch.no_grad():
-        ref = m(torch.as_tensor(W)).numpy()
+        ref = m(torch.as_tensor(W)).logits.numpy()
     import onnx
     g = onnx.load(str(tmp_path / "o16" / "model.onnx"))
     assert {i.data_type for i in g.graph.initializer if i.name.endswith("weight_T")} == {onnx.TensorProto.FLOAT16}
@@ -131,7 +131,7 @@ def qmodel(tmp_path_factory):
     w = np.random.default_rng(0).integers(3, 259, (4, 64))
     w[:, 0] = 0
     with torch.no_grad():
-        ref = m(torch.as_tensor(w)).numpy()
+        ref = m(torch.as_tensor(w)).logits.numpy()
     return d, m, w, ref
 
 

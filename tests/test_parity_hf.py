@@ -17,7 +17,7 @@ IDS = torch.tensor([[0, 5, 17, 250, 3, 99, 42, 7, 7, 128, 64, 2, 200, 11, 31, 8]
 
 
 def _ours(path):
-    return load_checkpoint(path).model(IDS).detach()
+    return load_checkpoint(path).model(IDS).logits.detach()
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -26,7 +26,7 @@ def test_qwen3_loader_matches_transformers(tmp_path, tie):
     hf.save_pretrained(tmp_path)
     loaded = load_checkpoint(tmp_path)
     assert loaded.layout == "qwen3" and loaded.model.cfg.gate == "none"
-    assert rel_err(loaded.model(IDS).detach(), hf(IDS, use_cache=False).logits.detach()) <= 1e-5
+    assert rel_err(loaded.model(IDS).logits.detach(), hf(IDS, use_cache=False).logits.detach()) <= 1e-5
 
 
 @pytest.mark.parametrize("partial_rotary", [1.0, 0.25])
@@ -36,7 +36,7 @@ def test_qwen3_next_loader_matches_transformers(tmp_path, partial_rotary):
     loaded = load_checkpoint(tmp_path)
     assert loaded.layout == "qwen3_next" and loaded.model.cfg.gate == "elementwise"
     assert loaded.model.cfg.rotary_dim == int(16 * partial_rotary)
-    assert rel_err(loaded.model(IDS).detach(), hf(IDS, use_cache=False).logits.detach()) <= 1e-5
+    assert rel_err(loaded.model(IDS).logits.detach(), hf(IDS, use_cache=False).logits.detach()) <= 1e-5
 
 
 def test_sharded_checkpoint_loads(tmp_path):
@@ -58,9 +58,9 @@ def test_saved_twins_open_in_stock_transformers(tmp_path, gate, cls_name):
     randomize_(model, 3)
     save_checkpoint(model, tmp_path / "m")
     hf = getattr(transformers, cls_name).from_pretrained(tmp_path / "m", attn_implementation="eager").eval()
-    assert rel_err(hf(IDS, use_cache=False).logits.detach(), model(IDS).detach()) <= 1e-5
+    assert rel_err(hf(IDS, use_cache=False).logits.detach(), model(IDS).logits.detach()) <= 1e-5
     # and back through our loader, bit-for-bit the same weights
-    assert torch.equal(_ours(tmp_path / "m"), model(IDS).detach())
+    assert torch.equal(_ours(tmp_path / "m"), model(IDS).logits.detach())
 
 
 # --- the official layout: an independent reference of its forward pass --------------------------
@@ -145,7 +145,7 @@ def test_official_layout_matches_reference(tmp_path, headwise):
     loaded = load_checkpoint(tmp_path)
     assert loaded.layout == "official"
     assert loaded.model.cfg.gate == ("headwise" if headwise else "elementwise")
-    assert rel_err(loaded.model(IDS).detach(), official_reference_logits(sd, c, IDS)) <= 1e-5
+    assert rel_err(loaded.model(IDS).logits.detach(), official_reference_logits(sd, c, IDS)) <= 1e-5
 
 
 @pytest.mark.parametrize("headwise", [True, False])
@@ -168,4 +168,4 @@ def test_headwise_written_interleaved_equals_elementwise(tmp_path):
     save_checkpoint(model, tmp_path / "n", layout="qwen3_next")
     loaded = load_checkpoint(tmp_path / "n")
     assert loaded.model.cfg.gate == "elementwise"
-    assert rel_err(loaded.model(IDS).detach(), model(IDS).detach()) <= 1e-6
+    assert rel_err(loaded.model(IDS).logits.detach(), model(IDS).logits.detach()) <= 1e-6

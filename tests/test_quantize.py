@@ -20,7 +20,7 @@ from test_outliers import planted_model, windows
 
 def logits_of(model, w):
     with torch.inference_mode():
-        return model(torch.as_tensor(w)).numpy()
+        return model(torch.as_tensor(w)).logits.numpy()
 
 
 def ppl(logits, w):
@@ -260,10 +260,10 @@ def test_kv_cache_quantization():
     # rounding is per token, so a cached decode sees exactly what a full forward sees
     idx = torch.as_tensor(w[:1])
     with torch.inference_mode():
-        full = q4(idx, kv_bits=4)
+        full = q4(idx, kv_bits=4).logits
         pre = q4(idx[:, :20], past=None, start_pos=0, return_hidden=True, kv_bits=4)
-        step = q4(idx[:, 20:21], past=pre["past"], start_pos=20, kv_bits=4)
-    assert torch.allclose(step["logits"], full[:, 20:21], atol=1e-5)
+        step = q4(idx[:, 20:21], past=pre.past, start_pos=20, kv_bits=4)
+    assert torch.allclose(step.logits, full[:, 20:21], atol=1e-5)
 
 
 def test_layer_sqnr_points_at_the_spiked_layer():

@@ -29,7 +29,7 @@ def _windows():
 
 def _logits(m, w, device="cpu"):
     with torch.inference_mode():
-        return m(torch.as_tensor(w, device=device)).float().cpu().numpy()
+        return m(torch.as_tensor(w, device=device)).logits.float().cpu().numpy()
 
 
 def test_torchao_int8_dynamic_on_cpu_matches_the_simulation():

@@ -32,23 +32,23 @@ class TorchRunner:
         out = []
         for i in range(0, len(windows), self.batch_size):
             idx = torch.as_tensor(windows[i:i + self.batch_size], device=self.device)
-            out.append(self.model(idx, kv_bits=self.kv_bits).float().cpu().numpy())  # fp32 whatever the dtype
+            out.append(self.model(idx, kv_bits=self.kv_bits).logits.float().cpu().numpy())  # fp32 whatever the dtype
         return np.concatenate(out, axis=0)
 
     @torch.inference_mode()
     def prefill(self, ids: list[int]) -> np.ndarray:
         """An empty KV cache, then the prompt in one batch: the last position's logits (quantgate.sampling)."""
         m = self.model
-        out = m(torch.tensor([ids], device=self.device), past=[None] * m.cfg.n_layers, kv_bits=self.kv_bits)
-        self._past, self._pos = out["past"], len(ids)
-        return out["logits"][0, -1].float().cpu().numpy()
+        out = m(torch.tensor([ids], device=self.device), kv_bits=self.kv_bits)
+        self._past, self._pos = out.past, len(ids)
+        return out.logits[0, -1].float().cpu().numpy()
 
     @torch.inference_mode()
     def decode(self, token: int) -> np.ndarray:
         out = self.model(torch.tensor([[token]], device=self.device), past=self._past, start_pos=self._pos,
                          kv_bits=self.kv_bits)
-        self._past, self._pos = out["past"], self._pos + 1
-        return out["logits"][0, -1].float().cpu().numpy()
+        self._past, self._pos = out.past, self._pos + 1
+        return out.logits[0, -1].float().cpu().numpy()
 
     def stream(self, ids: list[int], max_tokens: int, sampler: Sampler,
                stop_ids: tuple[int, ...] = ()) -> Iterator[Token | Done]:
@@ -64,14 +64,14 @@ class TorchRunner:
         time on it (the runners' bench protocol, quantgate.runners.bench)."""
         m, dev = self.model, self.device
         t0 = time.perf_counter()
-        out = m(torch.tensor([prefill_ids], device=dev), past=[None] * m.cfg.n_layers, kv_bits=self.kv_bits)
+        out = m(torch.tensor([prefill_ids], device=dev), kv_bits=self.kv_bits)
         if dev != "cpu":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        past, pos = out["past"], len(prefill_ids)
+        past, pos = out.past, len(prefill_ids)
         for t in decode_ids:
             out = m(torch.tensor([[t]], device=dev), past=past, start_pos=pos, kv_bits=self.kv_bits)
-            past, pos = out["past"], pos + 1
+            past, pos = out.past, pos + 1
         if dev != "cpu":
             torch.cuda.synchronize()
         return t1 - t0, time.perf_counter() - t1
