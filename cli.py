@@ -221,8 +221,10 @@ def train(out, resume, compile_, **kw):
 @click.option("--device", type=Device(), default="cpu", show_default=True,
               help="cpu, cuda or cuda:N (torch and ONNX Runtime; a GGUF offloads its layers where llama.cpp has a GPU "
                    "backend, and is refused otherwise)")
-@click.option("--kv-type", type=click.Choice(["f32", "f16", "q8_0", "q4_0"]), default="f32", show_default=True,
-              help="GGUF only: llama.cpp KV-cache type (f32 for parity; q8_0/q4_0 to study KV quantization)")
+@click.option("--kv-type", type=click.Choice(["f32", "f16", "q8_0", "q4_0", "int8", "int4"]), default="f32",
+              show_default=True, help="KV-cache type. GGUF: llama.cpp's f32 (parity), f16, q8_0, q4_0. Model "
+              "directories and ONNX exports: int8/int4 round k and v per token and head (a kv- quantized checkpoint "
+              "uses its own bits unless one is given); f32/f16 keep the cache float")
 @click.option("--threads", type=THREADS, default=None, help="CPU threads (llama.cpp, ONNX Runtime)")
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
 def eval_cmd(model, data, ctx, split, max_windows, reference, torchao, device, kv_type, threads, as_json):
@@ -381,8 +383,9 @@ def export_onnx_cmd(model, out, opset, graph, dtype):
               help="at most this many new tokens (fewer when the model's context fills up)")
 @click.option("--temperature", type=click.FloatRange(0, 100), default=0.0, show_default=True, help="0: greedy")
 @click.option("--seed", type=SEED, default=0, show_default=True)
-@click.option("--kv-type", type=click.Choice(["f32", "f16", "q8_0", "q4_0"]), default="f16", show_default=True,
-              help="GGUF only: llama.cpp KV-cache type")
+@click.option("--kv-type", type=click.Choice(["f32", "f16", "q8_0", "q4_0", "int8", "int4"]), default="f16",
+              show_default=True, help="KV-cache type: llama.cpp's f32, f16, q8_0, q4_0 for a GGUF; int8/int4 (k and v "
+              "rounded per token and head) for a model directory or an ONNX export, whose cache is float otherwise")
 @click.option("--threads", type=THREADS, default=None)
 def generate(model, prompt, max_tokens, temperature, seed, kv_type, threads):
     """Stream a continuation of --prompt from MODEL (a .gguf run by llama.cpp, an ONNX export run by ONNX Runtime,

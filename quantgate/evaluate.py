@@ -27,6 +27,7 @@ from .identity import code_id, content_id, key
 from .metrics import kld_summary, layer_sqnr, position_kld, token_nll, top1_match
 from .progress import track
 from .runners import LlamaRunner, OrtRunner, Runner, TorchRunner
+from .runners.kv import ROUNDED_KV_TYPES, kv_bits_for
 from .tokenizer import load_tokenizer
 from .torchao_backend import quantize_torchao_
 
@@ -126,14 +127,16 @@ def open_model(model_path: str, device: str = "cpu", torchao: str | None = None,
         onnx_path, model_dir = resolve_onnx(model_path)
         meta = read_meta(model_dir)
         check_ctx(ctx, onnx_context(model_dir), model_path)
-        runner = OrtRunner(model_path, device, threads)
+        runner = OrtRunner(model_path, device, threads, kv_bits=kv_bits_for(kv_type, "ONNX Runtime"))
         check_finite_initializers(onnx_path)
         tok = load_tokenizer(model_dir, meta.get("bos_id"), meta.get("eos_id"))
         if tok.vocab_size > (runner.vocab_size or tok.vocab_size):
             raise QuantgateError(f"{model_dir}/tokenizer.json has {tok.vocab_size} tokens but the graph's logits have "
                                  f"only {runner.vocab_size} (tokenizer/vocab mismatch)")
         scheme = (meta.get("quantization") or {}).get("scheme") or meta.get("dtype", "fp32")
-        return runner, tok, f"onnxruntime:{scheme}", {"onnx_bytes": runner.path.stat().st_size}
+        return runner, tok, f"onnxruntime:{scheme}", {"onnx_bytes": runner.path.stat().st_size,
+                                                      **_kv_record(kv_type)}
+    kv_bits = kv_bits_for(kv_type, "PyTorch")
     loaded = load_checkpoint(model_path)
     if loaded.tokenizer is None:
         raise QuantgateError(f"{model_path}: no tokenizer.json, cannot tokenize evaluation text")
@@ -141,7 +144,14 @@ def open_model(model_path: str, device: str = "cpu", torchao: str | None = None,
     model, backend = loaded.model, "torch"
     if torchao:
         model, backend = quantize_torchao_(model, torchao, device), f"torchao:{torchao}"
-    return TorchRunner(model, device), loaded.tokenizer, backend, {"loaded": loaded}
+    runner = TorchRunner(model, device, kv_bits=kv_bits)
+    return runner, loaded.tokenizer, backend, {"loaded": loaded,
+                                               **_kv_record(f"int{runner.kv_bits}" if runner.kv_bits else kv_type)}
+
+
+def _kv_record(kv_type: str) -> dict:
+    """What a PyTorch or ONNX Runtime result says about its cache: only a rounded one is worth a field."""
+    return {"kv_cache": kv_type} if kv_type in ROUNDED_KV_TYPES else {}
 
 
 def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
@@ -164,6 +174,8 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
             out.update(kv_type=extra["kv_type"], file_bytes=extra["gguf_bytes"])
         if "onnx_bytes" in extra:
             out.update(file_bytes=extra["onnx_bytes"])
+        if "kv_cache" in extra:
+            out.update(kv_cache=extra["kv_cache"])
         if reference is None:
             return {**out, **perplexity(runner, windows).to_dict()}
         ref = load_checkpoint(reference, with_tokenizer=True)

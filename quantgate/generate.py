@@ -19,6 +19,7 @@ from .formats.gguf import check_finite_weights, inspect_gguf, open_reader, token
 from .formats.onnx import check_finite_initializers, onnx_context
 from .formats.onnx_io import read_meta, resolve_onnx
 from .runners import LlamaRunner, OrtRunner, TorchRunner
+from .runners.kv import kv_bits_for
 from .sampling import Done, Sampler
 from .tokenizer import load_tokenizer
 
@@ -76,14 +77,16 @@ def _open(model_path: str, kv_type: str, threads: int | None, n_ctx_for):
         context = onnx_context(model_dir)
         tok = load_tokenizer(model_dir, meta.get("bos_id"), meta.get("eos_id"))
         n_ctx_for(tok, context)  # the prompt must fit before anything is loaded
-        runner = OrtRunner(model_path, threads=threads)  # checks the graph first
+        kv_bits = kv_bits_for(kv_type, "ONNX Runtime")
+        runner = OrtRunner(model_path, threads=threads, kv_bits=kv_bits)  # checks the graph first
         try:
             check_finite_initializers(onnx_path)
         except BaseException:
             runner.close()
             raise
         scheme = (meta.get("quantization") or {}).get("scheme") or meta.get("dtype", "fp32")
-        return runner, tok, context, f"onnxruntime:{scheme}"
+        return runner, tok, context, f"onnxruntime:{scheme}" + (f" (KV int{kv_bits})" if kv_bits else "")
+    kv_bits = kv_bits_for(kv_type, "PyTorch")
     loaded = load_checkpoint(model_path)
     tok = loaded.tokenizer
     if tok is None:
@@ -92,7 +95,8 @@ def _open(model_path: str, kv_type: str, threads: int | None, n_ctx_for):
     n_ctx_for(tok, context)
     if threads:
         torch.set_num_threads(threads)
-    return TorchRunner(loaded.model), tok, context, "torch"
+    runner = TorchRunner(loaded.model, kv_bits=kv_bits)
+    return runner, tok, context, "torch" + (f" (KV int{runner.kv_bits})" if runner.kv_bits else "")
 
 
 def generate(model_path: str, prompt: str, max_tokens: int = 64, temperature: float = 0.0, seed: int = 0,

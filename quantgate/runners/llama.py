@@ -29,6 +29,7 @@ from ..quant.schemes import GGUF_KV_TYPES, ggml_type
 from ..sampling import Done, Sampler, Token
 from .bench import bench
 from .device import cuda_index
+from .kv import check_llama_kv_type
 
 KV_TYPES = {k: ggml_type(k) for k in GGUF_KV_TYPES}  # KV-cache type -> ggml_type id (gguf-py's enum)
 QUANTIZED_KV = ("q8_0", "q4_0")  # llama.cpp needs flash attention for a quantized V cache
@@ -45,8 +46,7 @@ class LlamaRunner:
     def __init__(self, path: str | Path, n_ctx: int = 512, kv_type: str = "f32", threads: int | None = None,
                  logits_all: bool = True, name: str | None = None, device: str = "cpu"):
         gpu = cuda_index(device)
-        if kv_type not in KV_TYPES:
-            raise QuantgateError(f"unknown KV-cache type {kv_type!r}; choose from {', '.join(KV_TYPES)}")
+        check_llama_kv_type(kv_type)
         self.info: GGUFInfo = inspect_gguf(path)
         if kv_type in QUANTIZED_KV and self.info.head_dim % 32:
             raise QuantgateError(f"KV-cache type {kv_type} needs a head dimension that is a multiple of 32 "

@@ -7,6 +7,7 @@ foreign graph ends in one clear error.
 """
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Iterator
@@ -18,13 +19,19 @@ from ..formats.onnx_io import check_graph, read_meta, resolve_onnx
 from ..sampling import Done, NonFiniteLogits, Sampler, Token, stream
 from .bench import bench
 from .device import cuda_index
+from .ort_kv import check_kv_bits, staged, with_quantized_cache
 
 
 class OrtRunner:
-    """An ONNX decoder in an InferenceSession. Runner protocol: logits(windows)."""
+    """An ONNX decoder in an InferenceSession. Runner protocol: logits(windows).
 
-    def __init__(self, path: str | Path, device: str = "cpu", threads: int | None = None, name: str | None = None):
+    kv_bits (8 or 4): a quantized KV cache, k and v rounded per token and head where they enter the cache, as
+    PyTorch's runner does (`runners.ort_kv`; the file on disk is not changed). None: the cache as exported."""
+
+    def __init__(self, path: str | Path, device: str = "cpu", threads: int | None = None, name: str | None = None,
+                 kv_bits: int | None = None):
         import onnxruntime as ort
+        check_kv_bits(kv_bits)
 
         self.path, self.dir = resolve_onnx(path)
         graph, self.n_layers = check_graph(self.path)
@@ -34,7 +41,13 @@ class OrtRunner:
         self.kv_dtype = np.float16 if past.type.tensor_type.elem_type == 10 else np.float32
         logits = graph.graph.output[0].type.tensor_type.shape.dim
         self.vocab_size = int(logits[2].dim_value) if logits[2].dim_value else read_meta(self.dir).get("vocab_size")
+        load_from, tmp = str(self.path), None
+        if kv_bits is not None:
+            model = with_quantized_cache(graph, self.path, self.n_layers, kv_bits, self.kv_dtype)
+            graph_file, tmp = staged(model, self.path)
+            load_from = str(graph_file)
         del graph
+        self.kv_bits = kv_bits
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads
@@ -48,11 +61,14 @@ class OrtRunner:
             # TF32 off: ORT's CUDA EP rounds fp32 GEMM inputs to TF32 by default, which is not fp32 parity
             providers = [("CUDAExecutionProvider", {"device_id": self.cuda, "use_tf32": 0}), "CPUExecutionProvider"]
         try:
-            self.session = ort.InferenceSession(str(self.path), opts, providers=providers)
+            self.session = ort.InferenceSession(load_from, opts, providers=providers)
         except Exception as e:
             raise QuantgateError(f"{self.path}: ONNX Runtime cannot load it ({str(e).splitlines()[0][:150]})") from None
+        finally:
+            if tmp is not None:  # the session holds the graph and its weights now
+                shutil.rmtree(tmp, ignore_errors=True)
         self.device = device
-        self.name = name or f"onnxruntime:{self.dir.name}"
+        self.name = name or f"onnxruntime:{self.dir.name}" + (f" (KV int{kv_bits})" if kv_bits else "")
         self.out_names = [o.name for o in self.session.get_outputs()]
 
     def _empty_past(self, batch: int) -> dict:
