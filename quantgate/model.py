@@ -8,6 +8,9 @@ o_proj, X being the normed layer input. `headwise` has one gate value per head, 
 output channel. We keep W_g as its own Linear (`g_proj`): training and analysis see it as a separate
 weight; checkpoint writers fuse it into q_proj in whatever row order each on-disk layout uses.
 
+A hybrid (Qwen3.5 / Qwen3-Next) swaps the attention of some layers (`cfg.layer_types`) for a Gated DeltaNet
+(`GatedDeltaNet`, linear attention with a recurrent state and its own output gate); the rest is the same block.
+
 Parameter names follow HF Qwen3 (minus the `model.` prefix) so the mapping tables in
 `checkpoint.py` stay short. Every RMSNorm weight here is the plain multiplier (Qwen3-Next stores
 w with an implied 1+w; the loader converts).
@@ -22,9 +25,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .errors import QuantgateError
 from .qlinear import fake_quant_per_token
 
 GATE_MODES = ("none", "headwise", "elementwise")
+LAYER_TYPES = ("full_attention", "linear_attention")
 
 
 @dataclass
@@ -46,6 +51,14 @@ class ModelConfig:
     bos_id: int = 0
     eos_id: int = 1
     pad_id: int = 2
+    # Hybrid models (Qwen3.5 / Qwen3-Next): per-layer mixer, "full_attention" (the gated attention above) or
+    # "linear_attention" (Gated DeltaNet); None: every layer is full attention. The linear_* fields shape GDN layers.
+    layer_types: tuple[str, ...] | None = None
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 4
     extra: dict = field(default_factory=dict)  # provenance (source layout, model name), never read by forward
 
     def __post_init__(self) -> None:
@@ -71,6 +84,26 @@ class ModelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < self.vocab_size:
                 raise ValueError(f"{name} {v!r} is not a token id of the {self.vocab_size}-token vocabulary")
+        self._check_layer_types()
+
+    def _check_layer_types(self) -> None:
+        if self.layer_types is None:
+            return
+        types = tuple(self.layer_types)
+        self.layer_types = types  # a JSON list reads back as the same tuple
+        if len(types) != self.n_layers or any(t not in LAYER_TYPES for t in types):
+            raise ValueError(f"layer_types must name one of {LAYER_TYPES} for each of the {self.n_layers} layers, "
+                             f"got {len(types)}: {list(types)[:6]}")
+        if "linear_attention" not in types:
+            return
+        for name in ("linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim",
+                     "linear_conv_kernel"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer for Gated DeltaNet layers, got {v!r}")
+        if self.linear_value_heads % self.linear_key_heads:
+            raise ValueError(f"linear_value_heads ({self.linear_value_heads}) must be a multiple of "
+                             f"linear_key_heads ({self.linear_key_heads})")
 
     @property
     def rotary_dim(self) -> int:
@@ -80,6 +113,23 @@ class ModelConfig:
     def gate_dim(self) -> int:
         """Rows of W_g: one per head (headwise) or one per attention output channel (elementwise)."""
         return {"none": 0, "headwise": self.n_heads, "elementwise": self.n_heads * self.head_dim}[self.gate]
+
+    def layer_type(self, i: int) -> str:
+        return "full_attention" if self.layer_types is None else self.layer_types[i]
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Any Gated DeltaNet layer (Qwen3.5-style hybrid)."""
+        return self.layer_types is not None and "linear_attention" in self.layer_types
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        return [i for i in range(self.n_layers) if self.layer_type(i) == "full_attention"]
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the GDN's short causal conv: q, k and v (2 * Hk * dk + Hv * dv)."""
+        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -112,6 +162,19 @@ def preset(name: str, **overrides) -> ModelConfig:
     return replace(PRESETS[name], **overrides)
 
 
+def hybrid(cfg: ModelConfig, interval: int = 4, value_heads_per_key_head: int = 1) -> ModelConfig:
+    """`cfg` as a Qwen3.5-style hybrid: every `interval`-th layer full attention (layers interval-1, 2*interval-1,
+    ...; Qwen3.5's full_attention_interval), the others Gated DeltaNet with as many key heads as the attention has
+    heads, head size head_dim, and `value_heads_per_key_head` value heads per key head; partial rotary 0.25 on the
+    full-attention layers, as Qwen3.5 has. A model with fewer than `interval` layers gets its last one full."""
+    types = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(cfg.n_layers))
+    if "full_attention" not in types:
+        types = types[:-1] + ("full_attention",)
+    return replace(cfg, layer_types=types, partial_rotary=0.25, linear_key_heads=cfg.n_heads,
+                   linear_value_heads=cfg.n_heads * value_heads_per_key_head, linear_key_dim=cfg.head_dim,
+                   linear_value_dim=cfg.head_dim, linear_conv_kernel=4)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -132,6 +195,24 @@ def rope_cache(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor,
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
+
+
+def rope_sections(rotary_dim: int) -> list[int]:
+    """M-RoPE sections (t, h, w, and a fourth llama.cpp has) under which Qwen3.5's interleaved multimodal rope is
+    NEOX rope over `rotary_dim` channels for text, where the t, h and w positions are all the token's position:
+    what a Qwen3.5 config.json (mrope_section) and a qwen35 GGUF (rope.dimension_sections) carry.
+
+    llama.cpp's IMROPE sends frequency pair i to section s % 3 when s = i mod sum(sections) < 3 * sections[s % 3],
+    else to the fourth section (position 0 for text, i.e. no rotation): every pair must land in the first three.
+    """
+    n = rotary_dim // 2
+    s0, s1 = -(-n // 3), -(-(n - 1) // 3)
+    sections = [s0, s1, n - s0 - s1, 0]
+    for i in range(n):
+        s = i % n
+        if not s < 3 * sections[s % 3]:
+            raise AssertionError(f"rope sections {sections} leave pair {i} unrotated")
+    return sections
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -225,6 +306,106 @@ class Attention(nn.Module):
         return self.o_proj(y.reshape(B, T, -1)), present, probs
 
 
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim: the FLA/HF form (eps inside the root), which llama.cpp matches."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_recurrent(q, k, v, g, beta, state):
+    """The gated delta rule one token at a time (decode, and the reference the chunked form is tested against).
+
+    q, k [B, T, H, dk] (L2-normed, q scaled), v [B, T, H, dv], g (log-decay <= 0) and beta [B, T, H], state
+    [B, H, dk, dv]; all fp32. Per token: S <- S * exp(g); S <- S + k (beta (v - S^T k))^T; o = S^T q.
+    Returns (o [B, T, H, dv], final state)."""
+    outs = []
+    for t in range(q.shape[1]):
+        state = state * g[:, t, :, None, None].exp()
+        delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t]))
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+    return torch.stack(outs, dim=1), state
+
+
+def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = 64):
+    """The same rule as gated_delta_recurrent, a chunk of tokens at a time (prefill and training).
+
+    Within a chunk, with c = cumsum(g) and D[t, s] = exp(c_t - c_s) for s <= t, the values the rule writes solve
+    the unit lower-triangular system (I + tril(beta k k^T * D, -1)) U = beta (v - exp(c) k S0^T); the outputs are
+    exp(c) q S0 + (q k^T * D) U and the state leaves as exp(c_last) S0 + (k * exp(c_last - c))^T U (the WY form of
+    Yang et al. 2024, "Gated Delta Networks"). Written out here because no library quantgate uses ships it."""
+    B, T, H, dk = q.shape
+    outs = []
+    for i in range(0, T, chunk):
+        qc, kc, vc = (x[:, i:i + chunk].transpose(1, 2) for x in (q, k, v))     # [B, H, C, d]
+        gc, bc = g[:, i:i + chunk].transpose(1, 2), beta[:, i:i + chunk].transpose(1, 2)  # [B, H, C]
+        C = qc.shape[2]
+        c = gc.cumsum(-1)
+        lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        decay = (c[..., :, None] - c[..., None, :]).masked_fill(~lower, float("-inf")).exp()   # [B, H, C, C]
+        kk = (kc @ kc.transpose(-1, -2)) * decay * bc[..., :, None]
+        system = torch.eye(C, device=q.device) + kk.tril(-1)
+        rhs = bc[..., None] * (vc - c.exp()[..., None] * (kc @ state))
+        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        outs.append((c.exp()[..., None] * (qc @ state) + ((qc @ kc.transpose(-1, -2)) * decay) @ u).transpose(1, 2))
+        last = c[..., -1:]
+        state = state * last.exp()[..., None] + (kc * (last - c).exp()[..., None]).transpose(-1, -2) @ u
+    return torch.cat(outs, dim=1), state
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear-attention mixer (HF `Qwen3_5GatedDeltaNet`, llama.cpp `qwen35` recurrent layers).
+
+    x -> in_proj_qkv -> short causal depthwise conv (kernel K, its state the last K-1 inputs) -> SiLU -> q, k, v;
+    beta = sigmoid(in_proj_b x), g = -exp(A_log) softplus(in_proj_a x + dt_bias); q, k L2-normed per head (q times
+    dk^-0.5), each key head shared by Hv/Hk consecutive value heads; the gated delta rule over a [Hv, dk, dv]
+    state; the output gate of this layer kind: w * rmsnorm(o) * silu(in_proj_z x) per value head, then out_proj.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        Hv, dv = cfg.linear_value_heads, cfg.linear_value_dim
+        C = cfg.linear_conv_dim
+        self.in_proj_qkv = nn.Linear(cfg.dim, C, bias=False)
+        self.in_proj_z = nn.Linear(cfg.dim, Hv * dv, bias=False)
+        self.in_proj_b = nn.Linear(cfg.dim, Hv, bias=False)
+        self.in_proj_a = nn.Linear(cfg.dim, Hv, bias=False)
+        self.conv1d = nn.Conv1d(C, C, cfg.linear_conv_kernel, groups=C, bias=False)  # weight [C, 1, K]
+        self.A_log = nn.Parameter(torch.zeros(Hv))
+        self.dt_bias = nn.Parameter(torch.ones(Hv))
+        self.norm = RMSNorm(dv, cfg.norm_eps)
+        self.out_proj = nn.Linear(Hv * dv, cfg.dim, bias=False)
+
+    def empty_state(self, batch: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        return (torch.zeros(batch, cfg.linear_conv_dim, cfg.linear_conv_kernel - 1, device=device, dtype=dtype),
+                torch.zeros(batch, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim, device=device))
+
+    def forward(self, x, state=None, recurrent: bool | None = None):
+        """x: normed layer input [B, T, D]. state: (conv [B, C, K-1] pre-conv inputs, recurrent [B, Hv, dk, dv]
+        fp32) or None (a fresh sequence). recurrent: the token loop instead of chunks (default: when T == 1).
+        Returns (out, new state)."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        Hk, Hv, dk, dv = cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
+        conv_state, rec_state = state if state is not None else self.empty_state(B, x.device, x.dtype)
+        mixed = torch.cat([conv_state.to(x.dtype), self.in_proj_qkv(x).transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
+        new_conv = mixed[..., mixed.shape[-1] - (cfg.linear_conv_kernel - 1):]
+        mixed = F.silu(F.conv1d(mixed, self.conv1d.weight, groups=cfg.linear_conv_dim)).transpose(1, 2)  # [B, T, C]
+        q, k, v = mixed.split([Hk * dk, Hk * dk, Hv * dv], dim=-1)
+        r = Hv // Hk
+        q = (l2norm(q.float().view(B, T, Hk, dk)) * dk ** -0.5).repeat_interleave(r, dim=2)
+        k = l2norm(k.float().view(B, T, Hk, dk)).repeat_interleave(r, dim=2)
+        v = v.float().view(B, T, Hv, dv)
+        beta = torch.sigmoid(self.in_proj_b(x).float())
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        rule = gated_delta_recurrent if (T == 1 if recurrent is None else recurrent) else gated_delta_chunked
+        o, rec_state = rule(q, k, v, g, beta, rec_state.float())
+        z = self.in_proj_z(x).view(B, T, Hv, dv)
+        o = (self.norm(o.to(x.dtype)).float() * F.silu(z.float())).to(x.dtype)
+        return self.out_proj(o.reshape(B, T, Hv * dv)), (new_conv, rec_state)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -237,15 +418,29 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Pre-norm block; its mixer is the (gated) attention `self_attn` or, in a hybrid's linear_attention layers,
+    the Gated DeltaNet `linear_attn` (HF's module names for both)."""
+
+    def __init__(self, cfg: ModelConfig, layer_type: str = "full_attention"):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.self_attn = Attention(cfg)
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
+    @property
+    def is_linear(self) -> bool:
+        return hasattr(self, "linear_attn")
+
     def forward(self, h, cos, sin, past=None, probe=False, key_mask=None, kv_bits=None):
-        a, present, probs = self.self_attn(self.input_layernorm(h), cos, sin, past, probe, key_mask, kv_bits)
+        x = self.input_layernorm(h)
+        if self.is_linear:  # its cache is the conv and recurrent state; no attention probabilities, no KV cache
+            (a, present), probs = self.linear_attn(x, past), None
+        else:
+            a, present, probs = self.self_attn(x, cos, sin, past, probe, key_mask, kv_bits)
         h = h + a
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, present, probs
@@ -255,7 +450,8 @@ class ModelOutput(NamedTuple):
     """What every `Model.forward` call returns (one type, HF's `CausalLMOutputWithPast` shape, as a NamedTuple so
     torch.compile, DDP and the ONNX exporter's tracer see plain tensors in a tuple).
 
-    logits: [B, T, V] fp32. past: per-layer (k, v) [B, KV, P+T, hd], the cache to pass to the next call.
+    logits: [B, T, V] fp32. past: the cache to pass to the next call, per layer: (k, v) [B, KV, P+T, hd] for
+    attention, (conv [B, C, K-1], recurrent [B, Hv, dk, dv]) for Gated DeltaNet layers.
     attn_probs: per-layer [B, H, T, P+T] when called with probe=True, else empty. hidden: per-layer block outputs
     [B, T, D] when called with return_hidden=True, else empty (on_layer receives them instead when given).
     """
@@ -270,22 +466,27 @@ class Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, cfg.layer_type(i)) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def init_weights(self, seed: int) -> None:
-        """nanoGPT-style init, seeded: N(0, 0.02), residual projections scaled by 1/sqrt(2L)."""
+        """nanoGPT-style init, seeded: N(0, 0.02), residual projections scaled by 1/sqrt(2L). Gated DeltaNet
+        layers as HF initialises them: conv U(+-1/sqrt(K)), A = exp(A_log) ~ U(1, 16), dt_bias 1."""
         g = torch.Generator().manual_seed(seed)
         resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if p.dim() == 1:
+                if name.endswith("A_log"):
+                    p.copy_((1 + 15 * torch.rand(p.shape, generator=g)).log())
+                elif name.endswith("conv1d.weight"):
+                    p.copy_((torch.rand(p.shape, generator=g) * 2 - 1) / math.sqrt(p.shape[-1]))
+                elif p.dim() == 1:
                     p.fill_(1.0)
                 else:
-                    std = resid_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                    std = resid_std if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")) else 0.02
                     p.copy_(torch.randn(p.shape, generator=g) * std)
 
     def forward(self, idx: torch.Tensor, past=None, start_pos: int = 0, probe: bool = False,
@@ -293,7 +494,7 @@ class Model(nn.Module):
                 key_mask: torch.Tensor | None = None, kv_bits: int | None = None) -> ModelOutput:
         """idx: [B, T] token ids. Returns a ModelOutput (logits, the new cache, and what probe/return_hidden ask for).
 
-        past: list of per-layer (k, v) from an earlier call (generation; None: an empty cache); start_pos: its length.
+        past: the per-layer cache of an earlier call (ModelOutput.past; None: an empty cache); start_pos: its length.
         on_layer(i, h, probs): called after each block with its output (and attention probabilities when
         probe=True) instead of collecting them, so analysis holds one layer's tensors at a time.
         position_ids [B, T] and key_mask [B, P+T] (exported graphs) replace start_pos and the implicit mask.
@@ -321,6 +522,13 @@ class Model(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights counted once by parameters()
+
+
+def attention_only(cfg: ModelConfig, what: str) -> None:
+    """Refuse a hybrid in the verbs that do not handle Gated DeltaNet layers yet (one line, before any work)."""
+    if cfg.is_hybrid:
+        raise QuantgateError(f"{what} does not handle hybrid (Gated DeltaNet) models yet; train, info, eval and "
+                             f"generate do (PyTorch)")
 
 
 def build_model(cfg: ModelConfig, seed: int | None = 0) -> Model:

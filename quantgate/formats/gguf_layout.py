@@ -14,7 +14,7 @@ import torch
 from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
 
 from ..layouts import _fuse_interleaved, _split_interleaved
-from ..model import ModelConfig
+from ..model import ModelConfig, rope_sections
 
 ARCHS = {"baseline": MODEL_ARCH.QWEN3, "gated": MODEL_ARCH.QWEN35}  # gated: every real layer full attention
 ARCH_NAMES = {role: MODEL_ARCH_NAMES[a] for role, a in ARCHS.items()}  # "qwen3", "qwen35"
@@ -111,23 +111,6 @@ def identity_recurrent_layer(cfg: ModelConfig, shape: IdentityLayerShape, i: int
 
 
 # --- the architectures, one row each ---------------------------------------------------------------------------
-
-def rope_sections(rotary_dim: int) -> list[int]:
-    """IMROPE sections that make llama.cpp's qwen35 rope equal NEOX rope over `rotary_dim` channels.
-
-    IMROPE sends frequency pair i to section s % 3 when s = i mod sum(sections) < 3 * sections[s % 3],
-    else to the fourth section (whose position is 0 for text, i.e. no rotation). Every pair must land in
-    the first three sections, whose positions all equal the token position for text.
-    """
-    n = rotary_dim // 2
-    s0, s1 = -(-n // 3), -(-(n - 1) // 3)
-    sections = [s0, s1, n - s0 - s1, 0]
-    for i in range(n):
-        s = i % n
-        if not s < 3 * sections[s % 3]:
-            raise AssertionError(f"rope sections {sections} leave pair {i} unrotated")
-    return sections
-
 
 class GgufArch:
     """One llama.cpp architecture quantgate writes and reads, a row carrying its behaviour (convert_hf_to_gguf.py's
