@@ -5,6 +5,11 @@
 | qwen3       | model_type qwen3                         | H*hd                                          | w            |
 | official    | qwen3 + headwise/elementwise_attn_output_gate | per KV group: [q of its g heads, gate of its g heads] | w  |
 | qwen3_next  | model_type qwen3_next (dense, all full attention) | per head: [q_h (hd), gate_h (hd)]      | stored w-1   |
+| qwen3_5     | model_type qwen3_5_text / qwen3_5 (hybrid: Gated DeltaNet + gated attention) | per head: [q_h, gate_h] | stored w-1, except the GDN's own norm |
+
+A Qwen3.5 checkpoint of a gate-free model (a hybrid baseline has no stock layout) is written with zero gate rows
+and o_proj doubled (sigmoid(0) = 1/2: exactly the same function) and `quantgate.gate = "none"`, which the reader
+turns back into a gate-free model (halving o_proj, refusing non-zero gate rows).
 
 Names that every layout shares are in one table; only the q/gate fusion and the norm convention differ.
 """
@@ -12,8 +17,10 @@ from __future__ import annotations
 
 import torch
 
+import json
+
 from .errors import QuantgateError
-from .model import ModelConfig
+from .model import ModelConfig, rope_sections
 
 # ours -> theirs. `{i}` is the layer index. q_proj/g_proj are handled by the layout's fuse/split.
 GLOBAL_NAMES = {
@@ -21,20 +28,38 @@ GLOBAL_NAMES = {
     "norm.weight": "model.norm.weight",
     "lm_head.weight": "lm_head.weight",
 }
-LAYER_NAMES = {
+BLOCK_NAMES = {  # every layer, whatever its mixer
     "layers.{i}.input_layernorm.weight": "model.layers.{i}.input_layernorm.weight",
-    "layers.{i}.self_attn.k_proj.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "layers.{i}.self_attn.v_proj.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "layers.{i}.self_attn.o_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "layers.{i}.self_attn.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-    "layers.{i}.self_attn.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
     "layers.{i}.post_attention_layernorm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "layers.{i}.mlp.gate_proj.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "layers.{i}.mlp.up_proj.weight": "model.layers.{i}.mlp.up_proj.weight",
     "layers.{i}.mlp.down_proj.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
+ATTENTION_NAMES = {  # full-attention layers
+    "layers.{i}.self_attn.k_proj.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "layers.{i}.self_attn.v_proj.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "layers.{i}.self_attn.o_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.self_attn.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "layers.{i}.self_attn.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+}
+GDN_NAMES = {  # Gated DeltaNet layers, Qwen3.5's split projections (the same names as ours)
+    f"layers.{{i}}.linear_attn.{n}": f"model.layers.{{i}}.linear_attn.{n}"
+    for n in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
+              "A_log", "dt_bias", "norm.weight", "out_proj.weight")
+}
+LAYER_NAMES = {**BLOCK_NAMES, **ATTENTION_NAMES}  # an all-attention layer (the names before hybrids)
 Q_NAME = "model.layers.{i}.self_attn.q_proj.weight"  # theirs: q rows, gate rows fused in where gated
 NORM_SUFFIXES = ("layernorm.weight", "q_norm.weight", "k_norm.weight", "norm.weight")
+PLAIN_NORMS = (".linear_attn.norm.weight",)  # the GDN's gated norm is a plain multiplier in every layout
+
+
+def layer_names(cfg: ModelConfig, i: int) -> dict[str, str]:
+    """ours -> theirs for layer i: its block, and its mixer's tensors (QK-norm only where the model has it)."""
+    mixer = GDN_NAMES if cfg.layer_type(i) == "linear_attention" else ATTENTION_NAMES
+    names = {o.format(i=i): t.format(i=i) for o, t in {**BLOCK_NAMES, **mixer}.items()}
+    if not cfg.qk_norm:
+        names = {o: t for o, t in names.items() if not o.endswith(("q_norm.weight", "k_norm.weight"))}
+    return names
 
 
 def _split_interleaved(w: torch.Tensor, cfg: ModelConfig):
@@ -65,7 +90,27 @@ class Layout:
     gated: bool = False               # holds gated models (True) or only gate-free ones (False)
     partial_rotary_ok: bool = False   # config.json can say partial_rotary_factor
     needs_qk_norm: bool = True        # its architecture always applies QK-norm
+    hybrid_ok: bool = False           # holds Gated DeltaNet layers
+    zero_gate_baseline: bool = False  # holds a gate-free model as zero gate rows and o_proj doubled
     description: str = ""
+
+    def text_config(self, hf: dict) -> dict:
+        """The config.json fields that describe the language model (a multimodal config nests them)."""
+        return hf
+
+    def disk_name(self, name: str, hf: dict) -> str:
+        """The name a tensor has in this checkpoint ("model.layers.0..." in the layout's text-model naming)."""
+        return name
+
+    def skipped(self, name: str, hf: dict) -> str | None:
+        """Which part of a checkpoint a tensor quantgate does not read belongs to (None: it must be read)."""
+        return None
+
+    def rope_theta(self, f) -> float:
+        return f.float("rope_theta", 10000.0)
+
+    def layer_types(self, hf: dict, f, n_layers: int, where: str) -> tuple | None:
+        return None
 
     def matches(self, hf: dict) -> bool:
         return hf.get("model_type") == self.model_type
@@ -81,11 +126,13 @@ class Layout:
         return 1.0
 
     def cannot_hold(self, cfg: ModelConfig) -> str | None:
-        """Why a model with `cfg` cannot be written in this layout (None: it can), from the row's three flags."""
-        if (cfg.gate != "none") != self.gated:
+        """Why a model with `cfg` cannot be written in this layout (None: it can), from the row's flags."""
+        if cfg.is_hybrid and not self.hybrid_ok:
+            return f"a hybrid (Gated DeltaNet) model can only be written in the qwen3_5 layout, not {self.name}"
+        if (cfg.gate != "none") != self.gated and not (cfg.gate == "none" and self.zero_gate_baseline):
             return f"a model with gate '{cfg.gate}' cannot be written in the {self.name} layout"
         if cfg.partial_rotary != 1.0 and not self.partial_rotary_ok:
-            return f"partial rotary ({cfg.partial_rotary}) can only be written in the qwen3_next layout"
+            return f"partial rotary ({cfg.partial_rotary}) can only be written in the qwen3_next or qwen3_5 layout"
         if not cfg.qk_norm and self.needs_qk_norm:
             return "a model without QK-norm can only be written in the official layout"
         return None
@@ -173,6 +220,92 @@ class Qwen3Next(Layout):
         return _fuse_interleaved(q, g, cfg)
 
 
+class Qwen35(Qwen3Next):
+    """Qwen3.5 / Qwen3.6 dense text models: Gated DeltaNet layers and gated full attention (the Qwen3-Next
+    attention rows and norms), `rope_parameters`, and, for the multimodal `Qwen3_5ForConditionalGeneration`
+    checkpoints, a nested text_config and text weights under model.language_model.* beside model.visual.* and mtp.*
+    (read past: quantgate runs the text model). Written as the text-only `Qwen3_5ForCausalLM`."""
+    name, model_type, architecture = "qwen3_5", "qwen3_5_text", "Qwen3_5ForCausalLM"
+    hybrid_ok, zero_gate_baseline = True, True
+    description = "Qwen3.5 (Gated DeltaNet + gated attention, per-head [q | gate], zero-centred norms)"
+
+    def matches(self, hf: dict) -> bool:
+        return hf.get("model_type") in ("qwen3_5", "qwen3_5_text")
+
+    def text_config(self, hf: dict) -> dict:
+        if hf.get("model_type") != "qwen3_5":
+            return hf
+        text = hf.get("text_config")
+        if not isinstance(text, dict):
+            raise QuantgateError("config.json: a qwen3_5 config must hold its language model in text_config")
+        tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+        return {**text, "tie_word_embeddings": tie, "quantgate": hf.get("quantgate", text.get("quantgate", {}))}
+
+    def disk_name(self, name: str, hf: dict) -> str:
+        if hf.get("model_type") == "qwen3_5" and name.startswith("model."):
+            return "model.language_model." + name[len("model."):]
+        return name
+
+    def skipped(self, name: str, hf: dict) -> str | None:
+        for prefix, part in (("model.visual.", "vision tower"), ("mtp.", "multi-token-prediction head")):
+            if name.startswith(prefix):
+                return part
+        return None
+
+    def gate_of(self, f) -> str:
+        q = f.hf.get("quantgate") if isinstance(f.hf.get("quantgate"), dict) else {}
+        return "none" if q.get("gate") == "none" else "elementwise"
+
+    def check_config(self, hf: dict, f, n_layers: int, where: str) -> None:
+        if f.bool("attn_output_gate", True) is not True:
+            raise QuantgateError(f"{where}: attn_output_gate false is not supported (Qwen3.5 gates its attention)")
+        if hf.get("num_experts") or hf.get("num_experts_per_tok"):
+            raise QuantgateError(f"{where}: mixture-of-experts Qwen3.5 is not supported yet (dense models only)")
+
+    def rope_theta(self, f) -> float:
+        rp = f.hf.get("rope_parameters")
+        if isinstance(rp, dict) and "rope_theta" in rp:  # transformers 5: not the top-level rope_theta
+            return _positive(rp["rope_theta"], "rope_parameters.rope_theta")
+        return f.float("rope_theta", 1e7)
+
+    def partial_rotary(self, f) -> float:
+        rp = f.hf.get("rope_parameters")
+        if isinstance(rp, dict) and "partial_rotary_factor" in rp:
+            v = _positive(rp["partial_rotary_factor"], "rope_parameters.partial_rotary_factor")
+            if v > 1:
+                raise QuantgateError(f"config.json: rope_parameters.partial_rotary_factor must be at most 1, got {v}")
+            return v
+        return f.float("partial_rotary_factor", 0.25, hi=1.0)
+
+    def layer_types(self, hf: dict, f, n_layers: int, where: str) -> tuple | None:
+        types = hf.get("layer_types")
+        if types is None:  # transformers' rule: every full_attention_interval-th layer is full attention
+            k = f.int("full_attention_interval", 4)
+            return tuple("full_attention" if (i + 1) % k == 0 else "linear_attention" for i in range(n_layers))
+        if not isinstance(types, list) or len(types) != n_layers or \
+                any(t not in ("full_attention", "linear_attention") for t in types):
+            raise QuantgateError(f"{where}: layer_types must list 'full_attention' or 'linear_attention' for each of "
+                                 f"the {n_layers} layers (got {json.dumps(types)[:80]})")
+        return tuple(types)
+
+    def config_fields(self, cfg: ModelConfig) -> dict:
+        rotary = cfg.rotary_dim
+        types = list(cfg.layer_types or ["full_attention"] * cfg.n_layers)
+        return {"partial_rotary_factor": cfg.partial_rotary, "layer_types": types, "attn_output_gate": True,
+                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                                    "partial_rotary_factor": cfg.partial_rotary,
+                                    "mrope_section": rope_sections(rotary)[:3], "mrope_interleaved": True},
+                "linear_num_key_heads": cfg.linear_key_heads or 1, "linear_num_value_heads": cfg.linear_value_heads or 1,
+                "linear_key_head_dim": cfg.linear_key_dim or 1, "linear_value_head_dim": cfg.linear_value_dim or 1,
+                "linear_conv_kernel_dim": cfg.linear_conv_kernel}
+
+
+def _positive(v, name: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e30:
+        raise QuantgateError(f"config.json: {name} must be a positive number, got {json.dumps(v)[:40]}")
+    return float(v)
+
+
 def _official_gate(hf: dict) -> bool:
     return bool(hf.get("headwise_attn_output_gate") or hf.get("elementwise_attn_output_gate"))
 
@@ -194,7 +327,7 @@ def _check_dense_full_attention(hf: dict, f, n_layers: int, where: str) -> None:
                              f"(dense models only: mlp_only_layers must cover every layer)")
 
 
-LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (Qwen3(), Official(), Qwen3Next())}
+LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (Qwen3(), Official(), Qwen3Next(), Qwen35())}
 
 DEFAULT_LAYOUT_FOR_GATE = {"none": "qwen3", "headwise": "official", "elementwise": "qwen3_next"}
 
@@ -205,4 +338,5 @@ def detect_layout(hf: dict) -> str:
 
 
 def is_norm(our_name: str) -> bool:
-    return our_name.endswith(NORM_SUFFIXES)
+    """A norm stored as w - 1 by zero-centred layouts (the GDN's gated norm is not one)."""
+    return our_name.endswith(NORM_SUFFIXES) and not our_name.endswith(PLAIN_NORMS)

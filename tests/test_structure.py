@@ -172,6 +172,7 @@ REPORT_MAY_USE = {
     "quantgate.analyze": {"analyze", "plot_reports", "save_figure"},         # quantgate analyze
     "quantgate.gate_survival": {"check_gate_survival"},                      # quantgate analyze --reference
     "quantgate.info": {"model_info"},                                        # quantgate info
+    "quantgate.model": {"attention_only"},                                   # verbs not yet for hybrids
     "quantgate.formats": {"inspect_gguf", "load_checkpoint"},
     "quantgate.runners": {"LlamaRunner", "OrtRunner", "TorchRunner"},
     "quantgate.runners.bench": {"bench"},
@@ -259,17 +260,21 @@ def test_the_registry_and_the_cli_help_import_no_torch():
 
 
 def test_each_layout_refuses_the_models_it_cannot_hold():
-    """Gate-free models only in qwen3, gated ones only in official/qwen3_next; partial rotary only in qwen3_next;
-    a model without QK-norm only in official: the rows' flags, checked on every combination."""
+    """Gate-free models in qwen3 (and qwen3_5, as zero gate rows), gated ones in official/qwen3_next/qwen3_5;
+    partial rotary only in qwen3_next/qwen3_5; a model without QK-norm only in official; hybrids only in qwen3_5:
+    the rows' flags, checked on every combination."""
     import dataclasses
 
     from quantgate.layouts import LAYOUTS
-    from quantgate.model import preset
+    from quantgate.model import hybrid, preset
     for gate in ("none", "headwise", "elementwise"):
         for rotary in (1.0, 0.5):
             for qk in (True, False):
-                cfg = dataclasses.replace(preset("tiny", gate=gate), partial_rotary=rotary, qk_norm=qk)
-                for name, lay in LAYOUTS.items():
-                    fits = ((gate == "none") == (name == "qwen3") and (rotary == 1.0 or name == "qwen3_next")
-                            and (qk or name == "official"))
-                    assert (lay.cannot_hold(cfg) is None) == fits, (name, gate, rotary, qk)
+                for is_hybrid in (False, True):
+                    cfg = preset("tiny", gate=gate)
+                    cfg = dataclasses.replace(hybrid(cfg) if is_hybrid else cfg, partial_rotary=rotary, qk_norm=qk)
+                    for name, lay in LAYOUTS.items():
+                        gate_ok = name == "qwen3_5" or (gate == "none") == (name == "qwen3")
+                        fits = (gate_ok and (rotary == 1.0 or name in ("qwen3_next", "qwen3_5"))
+                                and (qk or name == "official") and (not is_hybrid or name == "qwen3_5"))
+                        assert (lay.cannot_hold(cfg) is None) == fits, (name, gate, rotary, qk, is_hybrid)

@@ -19,8 +19,7 @@ from safetensors.torch import save_file
 from .. import __version__
 from ..errors import QuantgateError
 from ..fsio import atomic_dir, check_output, read_json
-from ..layouts import (DEFAULT_LAYOUT_FOR_GATE, GLOBAL_NAMES, LAYER_NAMES, LAYOUTS, Q_NAME, Layout, detect_layout,
-                       is_norm)
+from ..layouts import DEFAULT_LAYOUT_FOR_GATE, GLOBAL_NAMES, LAYOUTS, Q_NAME, Layout, detect_layout, is_norm, layer_names
 from ..model import Model, ModelConfig
 from ..quant.simulate import apply_saved_quantization
 from ..tokenizer import Tokenizer, load_tokenizer
@@ -94,9 +93,14 @@ def config_from_hf(hf: dict, path: Path) -> tuple[ModelConfig, Layout]:
         raise QuantgateError(f"{where}: must hold a JSON object, got {type(hf).__name__}")
     layout_name = detect_layout(hf)
     if not layout_name:
-        raise QuantgateError(f"{where}: model_type {json.dumps(hf.get('model_type'))[:40]} is not supported "
-                             f"(supported: qwen3, qwen3 with attn_output_gate, qwen3_next)")
+        mt = json.dumps(hf.get("model_type"))[:40]
+        if "moe" in mt.lower():
+            raise QuantgateError(f"{where}: model_type {mt} is a mixture-of-experts model, which is not supported yet "
+                                 f"(dense qwen3, qwen3_next and qwen3_5 models only)")
+        raise QuantgateError(f"{where}: model_type {mt} is not supported "
+                             f"(supported: qwen3, qwen3 with attn_output_gate, qwen3_next, qwen3_5 / qwen3_5_text)")
     layout = LAYOUTS[layout_name]
+    hf = layout.text_config(hf)
     f = HFFields(hf, where)
     L = f.int("num_hidden_layers", hi=MAX_LAYERS)
     H = f.int("num_attention_heads", hi=MAX_DIM)
@@ -110,6 +114,14 @@ def config_from_hf(hf: dict, path: Path) -> tuple[ModelConfig, Layout]:
         raise QuantgateError(f"{where}: hidden_act {json.dumps(hf['hidden_act'])[:40]} is not supported")
     layout.check_config(hf, f, L, where)
     gate = layout.gate_of(f)
+    types = layout.layer_types(hf, f, L, where)
+    gdn = {}
+    if types is not None and "linear_attention" in types:
+        gdn = dict(linear_key_heads=f.int("linear_num_key_heads", 16, hi=MAX_DIM),
+                   linear_value_heads=f.int("linear_num_value_heads", 32, hi=MAX_DIM),
+                   linear_key_dim=f.int("linear_key_head_dim", 128, hi=MAX_DIM),
+                   linear_value_dim=f.int("linear_value_head_dim", 128, hi=MAX_DIM),
+                   linear_conv_kernel=f.int("linear_conv_kernel_dim", 4, hi=64))
     eos = f.token("eos_token_id", 1)
     extra = hf.get("quantgate", {})
     if not isinstance(extra, dict):
@@ -119,13 +131,13 @@ def config_from_hf(hf: dict, path: Path) -> tuple[ModelConfig, Layout]:
             vocab_size=f.int("vocab_size", hi=MAX_VOCAB), dim=f.int("hidden_size", hi=MAX_DIM), n_layers=L, n_heads=H,
             n_kv_heads=f.int("num_key_value_heads", H, hi=MAX_DIM), head_dim=hd,
             ffn_dim=f.int("intermediate_size", hi=MAX_DIM * 8), gate=gate,
-            rope_theta=f.float("rope_theta", 10000.0),
+            rope_theta=layout.rope_theta(f),
             partial_rotary=layout.partial_rotary(f),
             qk_norm=f.bool("use_qk_norm", True), tie_embeddings=f.bool("tie_word_embeddings", False),
             norm_eps=f.float("rms_norm_eps", 1e-6, hi=1.0),
             max_seq_len=f.int("max_position_embeddings", 2048, hi=MAX_CONTEXT),
             bos_id=f.token("bos_token_id", eos), eos_id=eos, pad_id=f.token("pad_token_id", eos),
-            extra={"source_layout": layout_name, **extra},
+            layer_types=types, **gdn, extra={"source_layout": layout_name, **extra},
         )
     except ValueError as e:
         raise QuantgateError(f"{where}: {e}") from None
@@ -251,24 +263,30 @@ def _expect(name: str, t: torch.Tensor, shape: tuple) -> torch.Tensor:
     return t
 
 
-def tensor_plan(cfg: ModelConfig, layout: Layout, shapes: dict) -> dict[str, tuple[str | None, tuple]]:
-    """theirs (on-disk name) -> (ours, expected shape) for every tensor the layout stores; `shapes` are our
-    model's parameter shapes (from a meta-device model: nothing allocated)."""
+def _names(cfg: ModelConfig) -> dict[str, str]:
+    """ours -> theirs for every tensor stored under its own name (q_proj/g_proj are the layout's to fuse)."""
     names = dict(GLOBAL_NAMES)
     if cfg.tie_embeddings:
         names.pop("lm_head.weight")
     for i in range(cfg.n_layers):
-        for ours, theirs in LAYER_NAMES.items():
-            if not cfg.qk_norm and ("q_norm" in ours or "k_norm" in ours):
-                continue
-            names[ours.format(i=i)] = theirs.format(i=i)
-    plan = {theirs: (ours, shapes[ours]) for ours, theirs in names.items()}
-    for i in range(cfg.n_layers):
-        plan[Q_NAME.format(i=i)] = (None, (layout.q_rows(cfg), cfg.dim))
+        names.update(layer_names(cfg, i))
+    return names
+
+
+def tensor_plan(cfg: ModelConfig, layout: Layout, shapes: dict, hf: dict | None = None
+                ) -> dict[str, tuple[str | None, tuple]]:
+    """theirs (the name in this checkpoint) -> (ours, expected shape) for every tensor the layout stores; `shapes`
+    are our model's parameter shapes (from a meta-device model: nothing allocated); `hf` the checkpoint's
+    config.json, for layouts whose naming depends on it (a multimodal Qwen3.5 nests the text model)."""
+    on_disk = (lambda n: layout.disk_name(n, hf)) if hf is not None else (lambda n: n)
+    plan = {on_disk(theirs): (ours, shapes[ours]) for ours, theirs in _names(cfg).items()}
+    for i in cfg.full_attention_layers:
+        plan[on_disk(Q_NAME.format(i=i))] = (f"layers.{i}.self_attn.q_proj.weight", (layout.q_rows(cfg), cfg.dim))
     return plan
 
 
-def check_tensor_headers(src: TensorSource, cfg: ModelConfig, layout: Layout, plan: dict) -> None:
+def check_tensor_headers(src: TensorSource, cfg: ModelConfig, layout: Layout, plan: dict,
+                         hf: dict | None = None) -> None:
     """Every tensor present with the shape and a float dtype config.json implies, nothing extra: checked
     from the safetensors headers before a single weight is allocated."""
     for theirs, (_ours, shape) in plan.items():
@@ -277,43 +295,55 @@ def check_tensor_headers(src: TensorSource, cfg: ModelConfig, layout: Layout, pl
             raise QuantgateError(f"tensor {theirs} has shape {got}, expected {tuple(shape)} (from config.json)")
         if dtype not in TensorSource.FLOAT_DTYPES:
             raise QuantgateError(f"tensor {theirs} has dtype {dtype}; quantgate reads float weights only")
-    extra = sorted(src.names() - set(plan) - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
+    extra = sorted(n for n in src.names() - set(plan) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
+                   if not layout.skipped(n, hf or {}))
     if extra:
         raise QuantgateError(f"unexpected tensor {extra[0]} (+{len(extra) - 1} more): the checkpoint does not "
                              f"match its config.json ({layout.description})")
+
+
+def skipped_parts(src: TensorSource, layout: Layout, hf: dict) -> dict[str, int]:
+    """Tensors of the checkpoint quantgate does not read, counted by the part they belong to (`quantgate info`)."""
+    parts: dict[str, int] = {}
+    for n in src.names():
+        part = layout.skipped(n, hf)
+        if part:
+            parts[part] = parts.get(part, 0) + 1
+    return parts
 
 
 def read_state_dict(src: TensorSource, cfg: ModelConfig, layout: Layout, plan: dict) -> dict:
     sd = {}
     for theirs, (ours, shape) in plan.items():
         t = _expect(theirs, src.get(theirs), shape)
-        if ours is not None:
+        if not ours.endswith("self_attn.q_proj.weight"):
             sd[ours] = t + 1.0 if layout.zero_centred_norms and is_norm(ours) else t
             continue
-        i = int(theirs.split(".")[2])  # model.layers.{i}.self_attn.q_proj.weight
         q, g = layout.split_q(t, cfg)
-        sd[f"layers.{i}.self_attn.q_proj.weight"] = q.contiguous()
-        if g is not None:
-            sd[f"layers.{i}.self_attn.g_proj.weight"] = g.contiguous()
+        sd[ours] = q.contiguous()
+        if g is not None and cfg.gate != "none":
+            sd[ours.replace(".q_proj.", ".g_proj.")] = g.contiguous()
+        elif g is not None and bool(g.abs().max() > 0):
+            raise QuantgateError(f"tensor {theirs}: config.json says the model has no attention gate (written with "
+                                 f"zero gate rows), but its gate rows are not zero")
+    if cfg.gate == "none" and layout.zero_gate_baseline:  # o_proj was doubled to cancel sigmoid(0) = 1/2
+        for i in cfg.full_attention_layers:
+            sd[f"layers.{i}.self_attn.o_proj.weight"] = sd[f"layers.{i}.self_attn.o_proj.weight"] * 0.5
     return sd
 
 
 def write_state_dict(model: Model, layout: Layout) -> dict[str, torch.Tensor]:
     cfg, ours = model.cfg, model.state_dict()
     out = {}
-    names = dict(GLOBAL_NAMES)
-    if cfg.tie_embeddings:
-        names.pop("lm_head.weight")
-    for i in range(cfg.n_layers):
-        for o, t in LAYER_NAMES.items():
-            if cfg.qk_norm or not ("q_norm" in o or "k_norm" in o):
-                names[o.format(i=i)] = t.format(i=i)
-    for o, t in names.items():
+    for o, t in _names(cfg).items():
         w = ours[o].detach().float()
         out[t] = (w - 1.0 if layout.zero_centred_norms and is_norm(o) else w).contiguous().clone()
-    for i in range(cfg.n_layers):
+    for i in cfg.full_attention_layers:
         q = ours[f"layers.{i}.self_attn.q_proj.weight"].float()
         g = ours.get(f"layers.{i}.self_attn.g_proj.weight")
+        if g is None and layout.zero_gate_baseline:  # sigmoid(0) = 1/2 on every channel, undone by 2 * o_proj
+            g = torch.zeros(cfg.n_heads * cfg.head_dim, cfg.dim)
+            out[f"model.layers.{i}.self_attn.o_proj.weight"] = out[f"model.layers.{i}.self_attn.o_proj.weight"] * 2.0
         out[Q_NAME.format(i=i)] = layout.fuse_q(q, None if g is None else g.float(), cfg).contiguous().clone()
     return out
 
@@ -337,9 +367,12 @@ def load_hf(path: str | Path, with_tokenizer: bool = True) -> Loaded:
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in Model(cfg).state_dict().items()}
     src = TensorSource(path)
-    plan = tensor_plan(cfg, layout, shapes)
-    check_tensor_headers(src, cfg, layout, plan)
+    plan = tensor_plan(cfg, layout, shapes, hf)
+    check_tensor_headers(src, cfg, layout, plan, hf)
     sd = read_state_dict(src, cfg, layout, plan)
+    skipped = skipped_parts(src, layout, hf)
+    if skipped:
+        cfg.extra = {**cfg.extra, "skipped_tensors": skipped}
     model = Model(cfg)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
@@ -367,9 +400,10 @@ def check_tokenizer_fits(tok: Tokenizer, cfg: ModelConfig, path: Path) -> None:
 def save_checkpoint(model: Model, out: str | Path, tokenizer: Tokenizer | None = None,
                     layout: str | None = None, inputs: tuple = ()) -> Path:
     """Write `model` as a stock-loadable directory: baseline -> qwen3, headwise -> official layout,
-    elementwise -> dense all-full-attention qwen3_next (override with `layout`)."""
+    elementwise -> dense all-full-attention qwen3_next, a hybrid (Gated DeltaNet layers) -> qwen3_5 whatever its
+    gate (override with `layout`)."""
     cfg = model.cfg
-    name = layout or DEFAULT_LAYOUT_FOR_GATE[cfg.gate]
+    name = layout or ("qwen3_5" if cfg.is_hybrid else DEFAULT_LAYOUT_FOR_GATE[cfg.gate])
     if name not in LAYOUTS:
         raise QuantgateError(f"unknown layout {name!r}; choose from {sorted(LAYOUTS)}")
     lay = LAYOUTS[name]
