@@ -172,6 +172,10 @@ DATA_HELP = ("text source: 'embedded' (the Python standard library's sources, al
 @main.command()
 @click.option("--preset", type=click.Choice(["tiny", "small", "base"]), default="small", show_default=True,
               help="model size: tiny (tests), small (CPU demo), base (~100M, GPU)")
+@click.option("--arch", type=click.Choice(["attention", "hybrid"]), default="attention", show_default=True,
+              help="attention: every layer full attention; hybrid: Qwen3.5-style, three of every four layers Gated "
+                   "DeltaNet (linear attention with its own output gate), the fourth gated full attention (with "
+                   "--twins the baseline's full-attention layers have no gate); saved in the qwen3_5 layout")
 @click.option("--gate", type=click.Choice(["none", "headwise", "elementwise"]), default="elementwise",
               show_default=True, help="attention output gate (with --twins: the gated twin's)")
 @click.option("--twins", is_flag=True, help="train a baseline and a gated model side by side: same init, same batches")

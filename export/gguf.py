@@ -25,7 +25,7 @@ from quantgate.formats.gguf_layout import (GGUF_ARCHS, GLOBAL_TENSORS, LAYER_TEN
                                            expected_tensor_names, expected_tensor_shapes, gguf_arch,
                                            identity_recurrent_layer, rope_sections)
 from quantgate.fsio import atomic_path, check_output
-from quantgate.model import Model
+from quantgate.model import Model, attention_only
 from quantgate.tokenizer import Tokenizer
 
 # the name tables and the identity layer live in quantgate.formats.gguf_layout (shared with the reader);
@@ -127,6 +127,7 @@ def export_gguf(model: Model, tokenizer: Tokenizer | None, out: str | Path, outt
     identity_layers: how many identity recurrent layers a gated (qwen35) file gets. 1 is the workaround;
     0 reproduces llama.cpp's abort (tests use it to show the runner survives it); 2 lets the benchmark
     measure what one of them costs."""
+    attention_only(model.cfg, "quantgate export gguf")
 
     cfg, out = model.cfg, Path(out)
     if outtype not in OUTTYPES:

@@ -27,7 +27,7 @@ from quantgate.formats.hf import config_to_hf
 from quantgate.formats.onnx_io import io_names
 from quantgate.fsio import atomic_dir, check_output
 from quantgate.layouts import DEFAULT_LAYOUT_FOR_GATE, LAYOUTS
-from quantgate.model import Model
+from quantgate.model import Model, attention_only
 
 from .onnx_gqa import build_gqa_graph
 
@@ -170,6 +170,7 @@ def export_onnx(model: Model, tokenizer, out_dir: str | Path, opset: int = 23, g
                 dtype: str = "fp32", layout: str | None = None, source: str = "", inputs: tuple = ()) -> Path:
     """Write `out_dir` (atomically): model.onnx, config.json, tokenizer, generation_config.json, quantgate.json."""
     cfg = model.cfg
+    attention_only(cfg, "quantgate export onnx")
     if opset not in OPSETS:
         raise QuantgateError(f"unsupported --opset {opset}; choose from {', '.join(map(str, OPSETS))}")
     if graph not in GRAPHS:

@@ -18,7 +18,7 @@ from .errors import QuantgateError
 from .evaluate import compare_to_reference
 from .formats import load_checkpoint
 from .fsio import check_output, write_json
-from .model import Model
+from .model import Model, attention_only
 from .progress import track
 from .quant.schemes import TorchScheme as Scheme
 from .quant.schemes import get
@@ -42,6 +42,7 @@ def _layer_of(name: str) -> int:
 
 
 def attribute_error(model: Model, scheme: Scheme, calib: np.ndarray | None, windows: np.ndarray) -> dict:
+    attention_only(model.cfg, "quantgate attribute")
     if scheme.weight_bits is None and scheme.act is None:
         raise QuantgateError(f"scheme {scheme.name} quantizes no Linear; there is nothing to attribute")
     ref = TorchRunner(model, name="float").logits(windows)

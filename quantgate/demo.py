@@ -23,7 +23,7 @@ from .fsio import check_output, claim_folder, read_marker, signals_held, write_j
 from .generate import generate
 from .progress import console
 from .report import ReportSettings, run_report
-from .train import TrainConfig, train, trajectory
+from .train import TrainConfig, recorded, train, trajectory
 
 DEMO_RECIPES = {
     # 1200 steps x 8 x 256 (2.4M tokens) was sized for a 20-minute demo on 2 cores beside the report;
@@ -79,7 +79,7 @@ def _trained_by(out: Path, tc: TrainConfig) -> str:
     if not present:
         return "none"
     got = {n: _recorded(out / n) for n in present}
-    strip = lambda d: {k: v for k, v in (d or {}).items() if k in want}  # noqa: E731
+    strip = lambda d: {k: v for k, v in recorded(d).items() if k in want}  # noqa: E731
     if any(strip(d) != want for d in got.values()):
         return "other"
     return "models" if {"baseline", "gated"} <= set(present) else "state"

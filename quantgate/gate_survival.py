@@ -16,6 +16,7 @@ from .calib_data import calibration_windows, check_ctx
 from .capture import capture
 from .errors import QuantgateError
 from .formats import load_checkpoint
+from .model import attention_only
 
 
 def _gate_inputs(model, windows: np.ndarray) -> dict[int, torch.Tensor]:
@@ -39,6 +40,7 @@ def _elementwise_rows(w: torch.Tensor, cfg) -> torch.Tensor:
 def gate_survival(artifact_model, reference_model, windows: np.ndarray) -> dict:
     """Per-layer comparison of the artifact's gate values with the reference's on the same inputs."""
     ref_cfg, art_cfg = reference_model.cfg, artifact_model.cfg
+    attention_only(ref_cfg, "the gate-survival check")
     if ref_cfg.gate == "none":
         raise QuantgateError("the reference model has no attention gate: nothing to check")
     if art_cfg.gate == "none":

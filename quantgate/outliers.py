@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .capture import capture
-from .model import Model
+from .model import Model, attention_only
 
 MEDIAN_SAMPLE = 1 << 20  # |h| values kept per layer for the median (exact below this count)
 
@@ -174,6 +174,7 @@ class OutlierCollector:
 
 def analyze_model(model: Model, windows: np.ndarray, batch: int = 4, top_k: int = 8) -> dict:
     """Outlier report of `model` over `windows` ([N, T] int64, BOS first)."""
+    attention_only(model.cfg, "quantgate analyze")
     col = OutlierCollector(model, top_k=top_k)
     capture(model, windows, pre=col.pre_hooks(), post=col.post_hooks(), batch=batch, label="analyze", probe=True,
             on_layer=col.layer)

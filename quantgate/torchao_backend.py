@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .errors import QuantgateError
-from .model import Model
+from .model import Model, attention_only
 from .quant.schemes import names
 from .runners import torch_device
 
@@ -20,6 +20,7 @@ TORCHAO_KINDS = tuple(names("torchao"))  # the registry's torchao entries
 
 
 def quantize_torchao_(model: Model, kind: str, device: str = "cpu", group_size: int = 128) -> Model:
+    attention_only(model.cfg, "torchao quantization")
     if kind not in TORCHAO_KINDS:
         raise QuantgateError(f"unknown torchao kind {kind!r}; choose from {', '.join(TORCHAO_KINDS)}")
     if kind == "int4-weight" and not str(device).startswith("cuda"):

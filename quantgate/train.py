@@ -16,7 +16,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -28,15 +28,19 @@ from .calib_data import data_paths, load_corpus, sample_windows, tokenize_corpus
 from .errors import QuantgateError
 from .formats import save_checkpoint
 from .fsio import atomic_file, check_output, claim_folder, read_marker, write_json
-from .model import GATE_MODES, Model, build_model, make_twins, preset
+from .model import GATE_MODES, Model, build_model, hybrid, make_twins, preset
 from .progress import make_progress
 from .runners import torch_device
 from .tokenizer import Tokenizer, byte_tokenizer, load_tokenizer, train_bpe
 
 
+ARCHS = ("attention", "hybrid")
+
+
 @dataclass
 class TrainConfig:
     preset: str = "small"
+    arch: str = "attention"            # "hybrid": Qwen3.5-style, 3 of every 4 layers Gated DeltaNet (model.hybrid)
     gate: str = "elementwise"          # the gated model's gate (twins) or the single model's gate
     twins: bool = False
     data: str = "embedded"
@@ -63,6 +67,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.gate not in GATE_MODES:
             raise QuantgateError(f"gate must be one of {GATE_MODES}, got {self.gate!r}")
+        if self.arch not in ARCHS:
+            raise QuantgateError(f"arch must be one of {ARCHS}, got {self.arch!r}")
         if self.twins and self.gate == "none":
             raise QuantgateError("--twins needs a gated variant: --gate headwise or --gate elementwise")
         for name in ("steps", "batch_size", "ctx"):
@@ -134,8 +140,10 @@ def prepare_tokenizer(tc: TrainConfig, state_dir: Path, train_texts) -> Tokenize
 
 def build_models(tc: TrainConfig, tok: Tokenizer) -> dict[str, Model]:
     cfg = preset(tc.preset, vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id,
-                 pad_id=tok.pad_id, max_seq_len=max(tc.ctx, preset(tc.preset).max_seq_len),
-                 **tc.model_overrides)
+                 pad_id=tok.pad_id, max_seq_len=max(tc.ctx, preset(tc.preset).max_seq_len))
+    if tc.arch == "hybrid":
+        cfg = hybrid(cfg)
+    cfg = replace(cfg, **tc.model_overrides)
     if tc.twins:
         baseline, gated = make_twins(cfg, tc.gate, tc.seed)
         return {"baseline": baseline, "gated": gated}
@@ -152,9 +160,18 @@ def save_state(path: Path, step: int, models: dict, optims: dict, log: list, tc:
 
 
 # Settings that shape the trajectory: a resumed run must keep them (steps may grow, threads may change).
-TRAJECTORY_FIELDS = ("preset", "gate", "twins", "data", "batch_size", "ctx", "lr", "min_lr_frac", "warmup",
+TRAJECTORY_FIELDS = ("preset", "arch", "gate", "twins", "data", "batch_size", "ctx", "lr", "min_lr_frac", "warmup",
                      "weight_decay", "grad_clip", "betas", "seed", "vocab_size", "byte_tokenizer", "max_chars",
                      "model_overrides")
+
+
+# Fields added after runs were recorded: a record without one was made at its default.
+RECORDED_DEFAULTS = {"arch": "attention"}
+
+
+def recorded(settings: dict | None) -> dict:
+    """Training settings as recorded by a model or a state, with fields it predates at their defaults."""
+    return {**RECORDED_DEFAULTS, **settings} if settings else {}
 
 
 def trajectory(tc: TrainConfig) -> dict:
@@ -168,7 +185,7 @@ def load_state(path: Path, models: dict, optims: dict, tc: TrainConfig) -> tuple
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a torn or foreign file
         raise QuantgateError(f"{path}: cannot resume from this training state ({type(e).__name__})") from None
-    saved = json.loads(state["train_config_json"])
+    saved = recorded(json.loads(state["train_config_json"]))
     now = json.loads(json.dumps(asdict(tc)))  # tuples become lists, as in the saved copy
     for name in TRAJECTORY_FIELDS:
         if saved.get(name) != now.get(name):

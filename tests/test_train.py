@@ -154,3 +154,30 @@ def test_compiled_training_matches_eager(tmp_path):
     compiled = train(tiny_config(twins=True, steps=10, compile=True), tmp_path / "c")
     for role in eager:
         assert_same_weights(eager[role], compiled[role], exact=False, atol=1e-5)
+
+
+def test_hybrid_twins_train_save_as_qwen3_5_and_run(tmp_path):
+    """`train --arch hybrid --twins`: both twins learn, are written in the qwen3_5 layout (the baseline as zero
+    gate rows, read back gate-free), eval and generate run on them, and a verb that does not take hybrids yet
+    says so in one line."""
+    r = run_cli("train", *TINY, "--arch", "hybrid", "--twins", "--steps", "30", "--lr", "3e-3",
+                "--out", str(tmp_path / "h"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = json.loads((tmp_path / "h" / "state" / "train_log.json").read_text())
+    first, last = log[0]["loss"], log[-1]["loss"]
+    assert last["baseline"] < first["baseline"] - 0.5 and last["gated"] < first["gated"] - 0.5
+    base, gated = load_checkpoint(tmp_path / "h" / "baseline"), load_checkpoint(tmp_path / "h" / "gated")
+    assert (base.layout, gated.layout) == ("qwen3_5", "qwen3_5")
+    assert (base.model.cfg.gate, gated.model.cfg.gate) == ("none", "elementwise")
+    assert base.model.cfg.layer_types == ("linear_attention", "full_attention")  # tiny: 2 layers, the last full
+    assert base.model.cfg.extra["train_config"]["arch"] == "hybrid"
+    text = tmp_path / "t.txt"
+    text.write_text("def f(x):\n    return x * 2\n" * 100)
+    r = run_cli("eval", str(tmp_path / "h" / "gated"), "--data", str(text), "--ctx", "32", "--max-windows", "2",
+                "--reference", str(tmp_path / "h" / "baseline"), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["ppl"] > 1, r.stderr[-1500:]
+    r = run_cli("generate", str(tmp_path / "h" / "gated"), "--prompt", "def", "--max-tokens", "5")
+    assert r.returncode == 0, r.stderr[-1500:]
+    r = run_cli("export", "gguf", str(tmp_path / "h" / "gated"), "--out", str(tmp_path / "g.gguf"))
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "hybrid" in r.stderr
+    assert not (tmp_path / "g.gguf").exists()

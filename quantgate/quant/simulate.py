@@ -17,7 +17,7 @@ import torch.nn as nn
 from ..errors import QuantgateError
 from ..gptq import gptq_quantize, input_hessian
 from ..capture import capture
-from ..model import Model
+from ..model import Model, attention_only
 from ..qlinear import ActRange, QuantLinear, quantize_weight
 from ..smoothquant import smooth_
 from .schemes import TorchScheme as Scheme
@@ -114,6 +114,7 @@ def quantize_(model: Model, scheme: Scheme, calib_windows: np.ndarray | None = N
 
     only(name) -> bool restricts quantization to some Linears (error attribution); the rest stay float.
     """
+    attention_only(model.cfg, "quantgate quantize --backend torch")
     if scheme.gate_bits is not None and model.cfg.gate == "none":
         raise QuantgateError(f"scheme {scheme.name} keeps the gate at {scheme.gate_bits} bits, "
                              f"but this model has no attention gate")

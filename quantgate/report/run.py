@@ -7,6 +7,7 @@ from ..errors import QuantgateError
 from ..formats import load_checkpoint
 from ..fsio import atomic_file, claim_folder, write_json
 from ..identity import code_id, content_id
+from ..model import attention_only
 from ..progress import console
 from .cells import Artifacts, cached, score_cell, torch_fp32_cell
 from .conclusion import build_report, training
@@ -17,6 +18,8 @@ from .settings import BENCH_TOKENS, DEFAULT_SCHEMES, TWINS, Identity, ReportSett
 def _check_twins(s: ReportSettings) -> dict:
     """Both twins loaded, in the right order, with tokenizers and enough context for every window and speed run."""
     loaded = {t: load_checkpoint(getattr(s, t)) for t in TWINS}
+    for t in TWINS:
+        attention_only(loaded[t].model.cfg, "quantgate report")
     if loaded["baseline"].model.cfg.gate != "none" or loaded["gated"].model.cfg.gate == "none":
         raise QuantgateError("--models takes the baseline (no gate) first, then the gated twin")
     if loaded["baseline"].tokenizer is None or loaded["gated"].tokenizer is None:
