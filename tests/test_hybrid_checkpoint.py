@@ -118,7 +118,7 @@ def test_rope_parameters_theta_is_read_not_the_default(tmp_path):
     (lambda hf, sd: sd.update({"model.layers.0.linear_attn.A_log": torch.zeros(3)}), "linear_attn.A_log has shape"),
     (lambda hf, sd: sd.pop("model.layers.1.linear_attn.conv1d.weight"), "conv1d.weight is missing"),
 ])
-def test_bad_hybrid_checkpoints_get_one_line(tmp_path, edit, match):
+def test_bad_hybrid_checkpoints_are_refused(tmp_path, edit, match):
     m = build_model(_cfg(gate="elementwise"), seed=0)
     save_checkpoint(m, tmp_path / "m", byte_tokenizer())
     hf = json.loads((tmp_path / "m" / "config.json").read_text())
@@ -126,7 +126,9 @@ def test_bad_hybrid_checkpoints_get_one_line(tmp_path, edit, match):
     edit(hf, sd)
     (tmp_path / "m" / "config.json").write_text(json.dumps(hf))
     save_file(sd, str(tmp_path / "m" / "model.safetensors"))
-    r = run_cli("info", str(tmp_path / "m"))
-    assert r.returncode != 0
-    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and match in lines[0], r.stderr[-800:]
+    with pytest.raises(QuantgateError, match=match):
+        load_checkpoint(tmp_path / "m")
+    if "layer_types" in match:  # and through the CLI: one line, a non-zero exit
+        r = run_cli("info", str(tmp_path / "m"))
+        lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+        assert r.returncode != 0 and len(lines) == 1 and match in lines[0], r.stderr[-800:]
