@@ -20,12 +20,12 @@ import torch
 from quantgate import __version__
 from quantgate.errors import QuantgateError
 from quantgate.formats import artifact_kind, inspect_gguf, load_checkpoint
-from quantgate.formats.gguf_layout import (GGUF_ARCHS, GLOBAL_TENSORS, LAYER_TENSORS, LINEAR_TO_GGUF,
+from quantgate.formats.gguf_layout import (BLOCK_TENSORS, GGUF_ARCHS, GLOBAL_TENSORS, LAYER_TENSORS, LINEAR_TO_GGUF,
                                            POST_ATTENTION_NORM, Q_TENSOR, QWEN2_SPLIT, IdentityLayerShape, arch_of,
                                            expected_tensor_names, expected_tensor_shapes, gguf_arch,
-                                           identity_recurrent_layer, rope_sections)
+                                           gdn_to_gguf, identity_recurrent_layer, rope_sections)
 from quantgate.fsio import atomic_path, check_output
-from quantgate.model import Model, attention_only
+from quantgate.model import Model
 from quantgate.tokenizer import Tokenizer
 
 # the name tables and the identity layer live in quantgate.formats.gguf_layout (shared with the reader);
@@ -95,12 +95,20 @@ def gguf_tensors(model: Model) -> dict[str, torch.Tensor]:
             continue
         out[theirs] = sd[ours]
     for i in range(cfg.n_layers):
-        names = dict(LAYER_TENSORS, **{"post_attention_layernorm.weight": arch.post_attention_norm})
+        linear = cfg.layer_type(i) == "linear_attention"
+        names = dict(BLOCK_TENSORS if linear else LAYER_TENSORS,
+                     **{"post_attention_layernorm.weight": arch.post_attention_norm})
         for ours, theirs in names.items():
             key = f"layers.{i}.{ours}"
             if key in sd:
                 out[f"blk.{i}.{theirs}"] = sd[key]
+        if linear:
+            out.update(gdn_to_gguf(cfg, sd, i))
+            continue
         g = sd.get(f"layers.{i}.self_attn.g_proj.weight")
+        if g is None and arch.q_rows(1, 1) == 2:  # a hybrid baseline in qwen35: sigmoid(0) = 1/2, undone by 2 * W_o
+            g = torch.zeros(cfg.n_heads * cfg.head_dim, cfg.dim)
+            out[f"blk.{i}.{LAYER_TENSORS['self_attn.o_proj.weight']}"] = 2 * sd[f"layers.{i}.self_attn.o_proj.weight"]
         out[f"blk.{i}.{Q_TENSOR}"] = arch.fuse_q(sd[f"layers.{i}.self_attn.q_proj.weight"], g, cfg)
     return {k: v.detach().float().contiguous() for k, v in out.items()}
 
@@ -127,7 +135,6 @@ def export_gguf(model: Model, tokenizer: Tokenizer | None, out: str | Path, outt
     identity_layers: how many identity recurrent layers a gated (qwen35) file gets. 1 is the workaround;
     0 reproduces llama.cpp's abort (tests use it to show the runner survives it); 2 lets the benchmark
     measure what one of them costs."""
-    attention_only(model.cfg, "quantgate export gguf")
 
     cfg, out = model.cfg, Path(out)
     if outtype not in OUTTYPES:
@@ -147,7 +154,7 @@ def export_gguf(model: Model, tokenizer: Tokenizer | None, out: str | Path, outt
     pre = tokenizer_pre(tokenizer)
     tok = tokenizer_fields(tokenizer, cfg.vocab_size)
     tensors = gguf_tensors(model)
-    n_identity = identity_layers if arch.identity_layers else 0
+    n_identity = identity_layers if arch.identity_layers and not cfg.is_hybrid else 0
     shape = identity_shape or IdentityLayerShape()
     for k in range(n_identity):
         tensors.update(identity_recurrent_layer(cfg, shape, cfg.n_layers + k))

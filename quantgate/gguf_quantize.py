@@ -28,7 +28,7 @@ from .capture import capture
 from .errors import DiskFull, QuantgateError
 from .formats import load_checkpoint
 from .formats.gguf import inspect_gguf
-from .formats.gguf_layout import GGUF_ARCHS, LINEAR_TO_GGUF
+from .formats.gguf_layout import GGUF_ARCHS, LINEAR_TO_GGUF, tiled_heads
 from .fsio import atomic_path, check_output
 from .quant.schemes import GGUF_FILE_TYPES, NEEDS_IMATRIX, ggml_type, llama_file_type, with_gate_bits
 
@@ -38,6 +38,11 @@ GGML_Q8_0 = ggml_type("q8_0")
 # KeepAt scope q_and_gate as a regex over tensor names: qwen35 fuses q and gate rows in attn_q, so the whole
 # q|gate projection is the only scope a GGUF can keep (not attn_q_norm, not attn_qkv)
 GATE_PATTERN = r"attn_q\.weight"
+# A hybrid has a second gate, the GDN's z (attn_gate), kept with attn_q under --gate-bits; and its small per-head
+# projections (ssm_alpha, ssm_beta: value heads x dim) always stay Q8_0, as llama.cpp's and ik_llama.cpp's recipes
+# keep them high (ssm_conv1d llama.cpp never quantizes).
+HYBRID_GATE_PATTERN = r"attn_(q|gate)\.weight"
+HYBRID_KEPT = [[r"ssm_(alpha|beta)\.weight", "Q8_0"]]
 
 
 def importance_matrix(model, windows: np.ndarray, batch: int = 4) -> dict[str, np.ndarray]:
@@ -67,7 +72,14 @@ def importance_matrix(model, windows: np.ndarray, batch: int = 4) -> dict[str, n
         if gname:
             hooks.append((mod, hook_for(gname)))
     capture(model, windows, pre=hooks, batch=batch)
-    return {k: (sums[k] / counts[k]).numpy().astype(np.float32) for k in sums}
+    im = {k: (sums[k] / counts[k]).numpy().astype(np.float32) for k in sums}
+    cfg = model.cfg
+    for i in range(cfg.n_layers):  # ssm_out's input columns are the value channels, which the export reorders
+        name = f"blk.{i}.{LINEAR_TO_GGUF['linear_attn.out_proj']}"
+        if name in im:
+            rows = (tiled_heads(cfg)[:, None] * cfg.linear_value_dim + torch.arange(cfg.linear_value_dim)).reshape(-1)
+            im[name] = im[name][rows.numpy()]
+    return im
 
 
 def quantize_gguf(src: str | Path, out: str | Path, qtype: str, imatrix: str | None = None, gate_bits: int | None = None,
@@ -86,7 +98,7 @@ def quantize_gguf(src: str | Path, out: str | Path, qtype: str, imatrix: str | N
     info = inspect_gguf(src)
     if info.file_type not in ("F32", "F16", "BF16"):
         raise QuantgateError(f"{src} is already quantized ({info.file_type}); quantize the F32/F16 export instead")
-    if gate_bits and GGUF_ARCHS[info.arch].read_gate == "none":
+    if gate_bits and (GGUF_ARCHS[info.arch].read_gate == "none" or info.gate == "none"):
         raise QuantgateError(f"{src} has no attention gate (arch {info.arch}): --gate-bits applies to gated models")
     check_output(out, "gguf", (src, *data_paths(calib_data if imatrix else None)))
 
@@ -97,8 +109,10 @@ def quantize_gguf(src: str | Path, out: str | Path, qtype: str, imatrix: str | N
         windows = calibration_windows(loaded.tokenizer, calib_data, calib_windows, ctx, seed)
         im = importance_matrix(loaded.model, windows)
 
-    request = {"src": str(src), "ftype": FILE_TYPES[qtype], "threads": threads or 0,
-               "overrides": [[GATE_PATTERN, GGML_Q8_0]] if gate_bits else []}
+    hybrid = bool(info.recurrent_layers)
+    kept = [[p, ggml_type(t)] for p, t in HYBRID_KEPT] if hybrid else []
+    gate = [[HYBRID_GATE_PATTERN if hybrid else GATE_PATTERN, GGML_Q8_0]] if gate_bits else []
+    request = {"src": str(src), "ftype": FILE_TYPES[qtype], "threads": threads or 0, "overrides": gate + kept}
     with atomic_path(out, "gguf") as tmp, tempfile.TemporaryDirectory() as work:
         request["dst"] = str(tmp)
         if im is not None:
@@ -124,4 +138,8 @@ def quantize_gguf(src: str | Path, out: str | Path, qtype: str, imatrix: str | N
     return {"src": str(src), "out": str(out), "type": qtype, "imatrix": imatrix, "gate_bits": gate_bits,
             "bytes": out.stat().st_size, "src_bytes": src.stat().st_size,
             "bits_per_weight": round(result.bits_per_weight, 3), "tensor_type_counts": counts,
-            "attn_q_types": sorted({t for n, t in result.tensor_types.items() if n.endswith(".attn_q.weight")})}
+            "attn_q_types": sorted({t for n, t in result.tensor_types.items() if n.endswith(".attn_q.weight")}),
+            **({"gdn_gate_types": sorted({t for n, t in result.tensor_types.items() if n.endswith(".attn_gate.weight")}),
+                "kept_high": {n: t for n, t in result.tensor_types.items() if n.endswith(("ssm_alpha.weight",
+                                                                                         "ssm_beta.weight"))}}
+               if hybrid else {})}

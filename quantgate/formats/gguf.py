@@ -22,8 +22,8 @@ from ..errors import QuantgateError
 from ..model import Model, ModelConfig
 from ..quant.schemes import llama_file_type_name
 from ..tokenizer import Tokenizer
-from .gguf_layout import (GGUF_ARCHS, GLOBAL_TENSORS, LAYER_TENSORS, Q_TENSOR, QWEN2_SPLIT, SUPPORTED_ARCHS,
-                          expected_tensor_names, expected_tensor_shapes)
+from .gguf_layout import (BLOCK_TENSORS, GGUF_ARCHS, GLOBAL_TENSORS, LAYER_TENSORS, Q_TENSOR, QWEN2_SPLIT,
+                          SUPPORTED_ARCHS, expected_tensor_names, expected_tensor_shapes, gdn_from_gguf)
 from .hf import Loaded, check_fits_in_memory
 
 # enum llama_ftype values (general.file_type) -> llama.cpp's names, from gguf-py's LlamaFileType
@@ -53,6 +53,8 @@ class GGUFInfo:
     context_length: int = 2048
     tensor_types: dict[str, str] = field(default_factory=dict)
     metadata: dict = field(default_factory=dict)
+    recurrent_layers: tuple[int, ...] = ()  # real layers that are Gated DeltaNet (a hybrid)
+    ssm: dict = field(default_factory=dict)  # their shapes: state, inner, heads, groups, conv (the ssm.* keys)
 
     @property
     def bits_per_weight(self) -> float:
@@ -99,7 +101,8 @@ class _Meta:
         v = _field(self.reader, key)
         if v is None:
             return None
-        if not isinstance(v, list) or not all(isinstance(x, item) and not isinstance(x, bool) for x in v):
+        if not isinstance(v, list) or not all(isinstance(x, item) and (item is bool or not isinstance(x, bool))
+                                              for x in v):
             raise QuantgateError(f"{self.path}: metadata {key} must be an array of {item.__name__}")
         return v
 
@@ -160,19 +163,24 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
     if rot % 2:
         raise QuantgateError(f"{path}: rope.dimension_count {rot} is odd")
     n_layers = n_blocks - identity
+    flags = m.list(f"{arch}.attention.recurrent_layers", bool) or []
+    if flags and len(flags) != n_blocks:
+        raise QuantgateError(f"{path}: {arch}.attention.recurrent_layers lists {len(flags)} layers, block_count is "
+                             f"{n_blocks}")
+    recurrent = tuple(i for i, f in enumerate(flags[:n_layers]) if f)
     tensors = {t.name: t for t in reader.tensors}
-    _check_tensor_set(path, arch, n_layers, identity, set(tensors), n_blocks)
+    _check_tensor_set(path, arch, n_layers, identity, set(tensors), n_blocks, recurrent)
     emb_rows = int(tensors["token_embd.weight"].shape[1]) if len(tensors["token_embd.weight"].shape) == 2 else 0
     if emb_rows < 1:
         raise QuantgateError(f"{path}: token_embd.weight is not a matrix")
     hp = {"vocab": emb_rows, "dim": n_embd, "heads": n_heads, "kv_heads": n_kv, "head_dim": head_dim, "ffn": ffn}
-    if identity:
+    if identity or recurrent:
         hp.update(ssm_state=m.int(f"{arch}.ssm.state_size", hi=1 << 16),
                   ssm_inner=m.int(f"{arch}.ssm.inner_size", hi=1 << 20),
                   ssm_heads=m.int(f"{arch}.ssm.time_step_rank", hi=1 << 12),
                   ssm_groups=m.int(f"{arch}.ssm.group_count", hi=1 << 12),
                   ssm_conv=m.int(f"{arch}.ssm.conv_kernel", hi=64))
-    _check_tensor_shapes(path, arch, n_layers, identity, tensors, hp)
+    _check_tensor_shapes(path, arch, n_layers, identity, tensors, hp, recurrent)
     tokens = m.list("tokenizer.ggml.tokens", str)
     if tokens is None:
         raise QuantgateError(f"{path}: no embedded tokenizer (tokenizer.ggml.tokens)")
@@ -187,7 +195,7 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
             "_bits_per_weight": 8 * n_bytes / max(n_weights, 1)}
     row = GGUF_ARCHS[arch]
     gate = m.str("quantgate.gate", row.read_gate)
-    if gate not in row.exported_gates:
+    if gate not in row.exported_gates or (gate == "none" and arch != "qwen3" and not recurrent):
         raise QuantgateError(f"{path}: metadata quantgate.gate {gate!r} does not fit arch {arch}")
     return GGUFInfo(
         path=path, arch=arch, n_layers=n_layers, n_blocks=n_blocks, vocab_size=emb_rows, n_embd=n_embd,
@@ -197,14 +205,16 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
         n_bytes=path.stat().st_size, ffn_dim=ffn, rotary_dim=rot,
         rope_base=m.float(f"{arch}.rope.freq_base", 10000.0),
         norm_eps=m.float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, hi=1.0),
-        context_length=m.int(f"{arch}.context_length", 2048, hi=1 << 24), tensor_types=types, metadata=meta)
+        context_length=m.int(f"{arch}.context_length", 2048, hi=1 << 24), tensor_types=types, metadata=meta,
+        recurrent_layers=recurrent, ssm={k[4:]: v for k, v in hp.items() if k.startswith("ssm_")} if recurrent else {})
 
 
-def _check_tensor_set(path: Path, arch: str, n_layers: int, identity: int, names: set[str], n_blocks: int) -> None:
+def _check_tensor_set(path: Path, arch: str, n_layers: int, identity: int, names: set[str], n_blocks: int,
+                      recurrent: tuple = ()) -> None:
     """The tensor table must hold exactly what the header's architecture and block count call for; a wrong
     tensor count in the header shows up here as a missing or nameless tensor."""
     optional = {f"blk.{i}.attn_{qk}_norm.weight" for i in range(n_layers) for qk in "qk"} | {"output.weight"}
-    expected = expected_tensor_names(arch, n_layers, tied=False, identity=identity)
+    expected = expected_tensor_names(arch, n_layers, tied=False, identity=identity, recurrent=recurrent)
     missing = sorted(expected - optional - names)
     extra = sorted(names - expected)
     if missing:
@@ -215,7 +225,8 @@ def _check_tensor_set(path: Path, arch: str, n_layers: int, identity: int, names
                              f"count or block count does not match the tensors)")
 
 
-def _check_tensor_shapes(path: Path, arch: str, n_layers: int, identity: int, tensors: dict, hp: dict) -> None:
+def _check_tensor_shapes(path: Path, arch: str, n_layers: int, identity: int, tensors: dict, hp: dict,
+                         recurrent: tuple = ()) -> None:
     """Every tensor's shape must be what the header's hyperparameters imply (llama.cpp checks the same on load,
     but a failed check there can take the process down)."""
     def ggml_dims(dims) -> tuple:  # GGUF lists dims innermost first; ggml drops trailing dims of size 1
@@ -224,7 +235,7 @@ def _check_tensor_shapes(path: Path, arch: str, n_layers: int, identity: int, te
             dims.pop()
         return tuple(dims)
 
-    for name, shape in expected_tensor_shapes(arch, n_layers, identity, hp).items():
+    for name, shape in expected_tensor_shapes(arch, n_layers, identity, hp, recurrent).items():
         t = tensors.get(name)
         if t is not None and ggml_dims(t.shape) != ggml_dims(reversed(shape)):
             got = tuple(int(d) for d in reversed(t.shape))
@@ -338,12 +349,20 @@ def load_gguf_model(path: str | Path):
     arch = info.arch
     names = {t.name for t in reader.tensors}
     tok = tokenizer_from_gguf(reader)
+    first_attention = next(i for i in range(info.n_layers) if i not in info.recurrent_layers)
+    hybrid = {}
+    if info.recurrent_layers:
+        ssm = info.ssm
+        hybrid = dict(layer_types=tuple("linear_attention" if i in info.recurrent_layers else "full_attention"
+                                        for i in range(info.n_layers)),
+                      linear_key_heads=ssm["groups"], linear_value_heads=ssm["heads"], linear_key_dim=ssm["state"],
+                      linear_value_dim=ssm["inner"] // ssm["heads"], linear_conv_kernel=ssm["conv"])
     try:
         cfg = ModelConfig(vocab_size=info.vocab_size, dim=info.n_embd, n_layers=info.n_layers, n_heads=info.n_heads,
-                          n_kv_heads=info.n_kv_heads, head_dim=info.head_dim,
-                          ffn_dim=info.ffn_dim, gate=GGUF_ARCHS[arch].read_gate,
+                          n_kv_heads=info.n_kv_heads, head_dim=info.head_dim, **hybrid,
+                          ffn_dim=info.ffn_dim, gate="none" if info.gate == "none" else GGUF_ARCHS[arch].read_gate,
                           rope_theta=info.rope_base, partial_rotary=info.rotary_dim / info.head_dim,
-                          qk_norm="blk.0.attn_q_norm.weight" in names, tie_embeddings="output.weight" not in names,
+                          qk_norm=f"blk.{first_attention}.attn_q_norm.weight" in names, tie_embeddings="output.weight" not in names,
                           norm_eps=info.norm_eps, max_seq_len=info.context_length,
                           bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id,
                           extra={"source_layout": f"gguf:{arch}", "gguf_file_type": info.file_type,
@@ -358,13 +377,20 @@ def load_gguf_model(path: str | Path):
             sd[ours] = read_tensor(reader, theirs)
     row = GGUF_ARCHS[arch]
     layer_names = dict(LAYER_TENSORS, **{"post_attention_layernorm.weight": row.post_attention_norm})
+    block_names = dict(BLOCK_TENSORS, **{"post_attention_layernorm.weight": row.post_attention_norm})
     for i in range(cfg.n_layers):
-        for ours, theirs in layer_names.items():
+        linear = cfg.layer_type(i) == "linear_attention"
+        for ours, theirs in (block_names if linear else layer_names).items():
             if f"blk.{i}.{theirs}" in names:
                 sd[f"layers.{i}.{ours}"] = read_tensor(reader, f"blk.{i}.{theirs}")
+        if linear:
+            sd.update(gdn_from_gguf(cfg, lambda n: torch.from_numpy(read_tensor(reader, n)), i))
+            continue
         q, g = row.split_q(torch.from_numpy(read_tensor(reader, f"blk.{i}.{Q_TENSOR}")), cfg)
-        if g is not None:
+        if g is not None and cfg.gate != "none":
             sd[f"layers.{i}.self_attn.g_proj.weight"] = g.contiguous()
+        elif g is not None:  # a hybrid baseline: zero gate rows, attn_output doubled
+            sd[f"layers.{i}.self_attn.o_proj.weight"] = torch.as_tensor(sd[f"layers.{i}.self_attn.o_proj.weight"]) / 2
         sd[f"layers.{i}.self_attn.q_proj.weight"] = q.contiguous()
     expected = model.state_dict()
     for k, v in sd.items():

@@ -27,7 +27,9 @@ def tensor_name(t: MODEL_TENSOR, suffix: str = ".weight") -> str:
 
 
 def gguf_arch(cfg: ModelConfig) -> str:
-    return ARCH_NAMES["baseline" if cfg.gate == "none" else "gated"]
+    """qwen3 for an all-attention baseline; qwen35 for a gated model and for any hybrid (qwen3 has no GDN layers:
+    a hybrid baseline is written as qwen35 with zero gate rows and attn_output doubled)."""
+    return ARCH_NAMES["baseline" if cfg.gate == "none" and not cfg.is_hybrid else "gated"]
 
 
 GLOBAL_TENSORS = {  # ours -> GGUF
@@ -53,6 +55,60 @@ LINEAR_TO_GGUF = {
     "self_attn.q_proj": Q_TENSOR, "self_attn.g_proj": Q_TENSOR,
     **{ours.removesuffix(".weight"): theirs for ours, theirs in LAYER_TENSORS.items() if "proj" in ours},
 }
+
+# A Gated DeltaNet layer's own tensors: ours (under layers.{i}.linear_attn.) -> GGUF (under blk.{i}.), the names
+# convert_hf_to_gguf.py maps Qwen3.5's to (tensor_mapping.py); its norms and MLP are the block's, as above.
+GDN_TENSORS = {
+    "in_proj_qkv.weight": tensor_name(MODEL_TENSOR.ATTN_QKV), "in_proj_z.weight": tensor_name(MODEL_TENSOR.ATTN_GATE),
+    "in_proj_b.weight": tensor_name(MODEL_TENSOR.SSM_BETA), "in_proj_a.weight": tensor_name(MODEL_TENSOR.SSM_ALPHA),
+    "conv1d.weight": tensor_name(MODEL_TENSOR.SSM_CONV1D), "dt_bias": tensor_name(MODEL_TENSOR.SSM_DT, ".bias"),
+    "A_log": tensor_name(MODEL_TENSOR.SSM_A, ""), "norm.weight": tensor_name(MODEL_TENSOR.SSM_NORM),
+    "out_proj.weight": tensor_name(MODEL_TENSOR.SSM_OUT),
+}
+BLOCK_TENSORS = {k: v for k, v in LAYER_TENSORS.items() if not k.startswith("self_attn.")}
+LINEAR_TO_GGUF.update({f"linear_attn.{ours.removesuffix('.weight')}": theirs for ours, theirs in GDN_TENSORS.items()
+                       if ours.startswith(("in_proj", "out_proj"))})
+
+
+def tiled_heads(cfg: ModelConfig) -> torch.Tensor:
+    """The value-head order llama.cpp's qwen35 graph wants, as indices into ours (HF's): we keep value heads grouped
+    by key head (head j reads key head j // r), ggml broadcasts key heads tiled (head p reads key head p % Hk), so
+    position p holds our head (p % Hk) * r + p // Hk (the converter's V-head reorder; identity when r = 1)."""
+    Hk, r = cfg.linear_key_heads, cfg.linear_value_heads // cfg.linear_key_heads
+    p = torch.arange(cfg.linear_value_heads)
+    return (p % Hk) * r + p // Hk
+
+
+def gdn_to_gguf(cfg: ModelConfig, sd: dict, i: int) -> dict[str, torch.Tensor]:
+    """GGUF tensors of GDN layer i: value heads reordered (tiled_heads) in every value-indexed axis, the conv
+    squeezed to [C, K], A stored as -exp(A_log) (what llama.cpp multiplies by), norms as they are."""
+    Hk, dk, dv = cfg.linear_key_heads, cfg.linear_key_dim, cfg.linear_value_dim
+    order = tiled_heads(cfg)
+    rows = (order[:, None] * dv + torch.arange(dv)).reshape(-1)  # value-channel order
+    qkv_rows = torch.cat([torch.arange(2 * Hk * dk), 2 * Hk * dk + rows])
+    w = {k: sd[f"layers.{i}.linear_attn.{k}"].detach().float() for k in GDN_TENSORS}
+    ours = {"in_proj_qkv.weight": w["in_proj_qkv.weight"][qkv_rows], "in_proj_z.weight": w["in_proj_z.weight"][rows],
+            "in_proj_b.weight": w["in_proj_b.weight"][order], "in_proj_a.weight": w["in_proj_a.weight"][order],
+            "conv1d.weight": w["conv1d.weight"][:, 0][qkv_rows], "dt_bias": w["dt_bias"][order],
+            "A_log": -w["A_log"][order].exp(), "norm.weight": w["norm.weight"],
+            "out_proj.weight": w["out_proj.weight"][:, rows]}
+    return {f"blk.{i}.{GDN_TENSORS[k]}": t for k, t in ours.items()}
+
+
+def gdn_from_gguf(cfg: ModelConfig, read, i: int) -> dict[str, torch.Tensor]:
+    """The inverse of gdn_to_gguf: our GDN parameters of layer i from `read(gguf name) -> fp32 tensor`."""
+    dk, dv, Hk = cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_key_heads
+    back = torch.argsort(tiled_heads(cfg))
+    rows = (back[:, None] * dv + torch.arange(dv)).reshape(-1)
+    qkv_rows = torch.cat([torch.arange(2 * Hk * dk), 2 * Hk * dk + rows])
+    t = {k: read(f"blk.{i}.{n}") for k, n in GDN_TENSORS.items()}
+    ours = {"in_proj_qkv.weight": t["in_proj_qkv.weight"][qkv_rows], "in_proj_z.weight": t["in_proj_z.weight"][rows],
+            "in_proj_b.weight": t["in_proj_b.weight"][back], "in_proj_a.weight": t["in_proj_a.weight"][back],
+            "conv1d.weight": t["conv1d.weight"][qkv_rows][:, None], "dt_bias": t["dt_bias"][back],
+            "A_log": (-t["A_log"][back]).log(), "norm.weight": t["norm.weight"],
+            "out_proj.weight": t["out_proj.weight"][:, rows]}
+    return {f"layers.{i}.linear_attn.{k}": v.contiguous() for k, v in ours.items()}
+
 
 # the identity recurrent layer's tensors (under blk.{L}.), in the order they are written
 IDENTITY_TENSORS = tuple(tensor_name(t, s) for t, s in (
@@ -152,8 +208,15 @@ class Qwen35Arch(GgufArch):
     """Qwen3.5's text decoder with every real layer full attention: llama.cpp's graph splits `attn_q` per head
     into [q_h | gate_h] and multiplies attention by sigmoid(gate) before `attn_output` (DESIGN section 3)."""
     name, post_attention_norm = ARCH_NAMES["gated"], tensor_name(MODEL_TENSOR.ATTN_POST_NORM)
-    exported_gates, read_gate = ("headwise", "elementwise"), "elementwise"  # llama.cpp's gate is elementwise
-    identity_layers = True
+    # llama.cpp's gate is elementwise; "none": a hybrid baseline, written with zero gate rows and attn_output doubled
+    exported_gates, read_gate = ("headwise", "elementwise", "none"), "elementwise"
+    identity_layers = True  # for all-attention models (a hybrid's own GDN layers make them unnecessary)
+
+    def cannot_hold(self, cfg: ModelConfig) -> str | None:
+        if cfg.is_hybrid and cfg.linear_key_dim != cfg.linear_value_dim:
+            return (f"llama.cpp's qwen35 reads one ssm.state_size for both GDN head sizes; this model has key heads "
+                    f"of {cfg.linear_key_dim} and value heads of {cfg.linear_value_dim}")
+        return None
 
     def q_rows(self, n_heads: int, head_dim: int) -> int:
         return 2 * n_heads * head_dim
@@ -166,6 +229,14 @@ class Qwen35Arch(GgufArch):
 
     def write_header(self, w, cfg: ModelConfig, shape: IdentityLayerShape, n_identity: int) -> None:
         w.add_rope_dimension_sections(rope_sections(cfg.rotary_dim))
+        if cfg.is_hybrid:  # the real GDN layers' shapes (convert_hf_to_gguf.py's keys), no identity layer
+            w.add_ssm_conv_kernel(cfg.linear_conv_kernel)
+            w.add_ssm_inner_size(cfg.linear_value_heads * cfg.linear_value_dim)
+            w.add_ssm_state_size(cfg.linear_key_dim)
+            w.add_ssm_time_step_rank(cfg.linear_value_heads)
+            w.add_ssm_group_count(cfg.linear_key_heads)
+            w.add_array(f"{self.name}.attention.recurrent_layers", [t == "linear_attention" for t in cfg.layer_types])
+            return
         w.add_ssm_conv_kernel(shape.conv_kernel)
         w.add_ssm_inner_size(shape.inner)
         w.add_ssm_state_size(shape.state)
@@ -185,17 +256,19 @@ def arch_of(cfg: ModelConfig) -> GgufArch:
     return GGUF_ARCHS[gguf_arch(cfg)]
 
 
-def expected_tensor_names(arch: str, n_layers: int, tied: bool, identity: int) -> set[str]:
-    """Every tensor a file of this shape holds (what the exporter writes and llama.cpp's loader wants)."""
+def expected_tensor_names(arch: str, n_layers: int, tied: bool, identity: int, recurrent: tuple = ()) -> set[str]:
+    """Every tensor a file of this shape holds (what the exporter writes and llama.cpp's loader wants); `recurrent`:
+    the real layers that are Gated DeltaNet (a hybrid)."""
     names = {GLOBAL_TENSORS["embed_tokens.weight"], GLOBAL_TENSORS["norm.weight"]}
     names |= set() if tied else {GLOBAL_TENSORS["lm_head.weight"]}
     per_layer = set(LAYER_TENSORS.values()) | {POST_ATTENTION_NORM[arch], Q_TENSOR}
-    names |= {f"blk.{i}.{n}" for i in range(n_layers) for n in per_layer}
+    per_gdn = set(BLOCK_TENSORS.values()) | {POST_ATTENTION_NORM[arch]} | set(GDN_TENSORS.values())
+    names |= {f"blk.{i}.{n}" for i in range(n_layers) for n in (per_gdn if i in recurrent else per_layer)}
     names |= {f"blk.{n_layers + k}.{n}" for k in range(identity) for n in IDENTITY_TENSORS}
     return names
 
 
-def expected_tensor_shapes(arch: str, n_layers: int, identity: int, hp: dict) -> dict[str, tuple]:
+def expected_tensor_shapes(arch: str, n_layers: int, identity: int, hp: dict, recurrent: tuple = ()) -> dict[str, tuple]:
     """Tensor name -> PyTorch-order shape ([out, in]) that the header's hyperparameters imply (`hp`: vocab, dim,
     heads, kv_heads, head_dim, ffn, and ssm_* for the identity layers): what the exporter writes, so a reader can
     refuse a file whose tensors disagree with its header before llama.cpp sees it."""
@@ -208,11 +281,12 @@ def expected_tensor_shapes(arch: str, n_layers: int, identity: int, hp: dict) ->
             "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,), "mlp.gate_proj.weight": (F, D),
             "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F)}
     per_layer = {LAYER_TENSORS[k]: sh for k, sh in ours.items()} | {POST_ATTENTION_NORM[arch]: (D,), Q_TENSOR: (q_rows, D)}
-    shapes |= {f"blk.{i}.{n}": sh for i in range(n_layers) for n, sh in per_layer.items()}
-    for k in range(identity):
+    shapes |= {f"blk.{i}.{n}": sh for i in range(n_layers) if i not in recurrent for n, sh in per_layer.items()}
+    if identity or recurrent:  # a real GDN layer has the identity layer's shapes, which the ssm keys give
         shape = IdentityLayerShape(hp["ssm_state"], hp["ssm_inner"], hp["ssm_heads"], hp["ssm_groups"], hp["ssm_conv"])
         cfg = ModelConfig(vocab_size=V, dim=D, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=2, ffn_dim=F,
                           bos_id=0, eos_id=0, pad_id=0)
         with torch.device("meta"):
-            shapes |= {n: tuple(t.shape) for n, t in identity_recurrent_layer(cfg, shape, n_layers + k).items()}
+            for i in (*recurrent, *range(n_layers, n_layers + identity)):
+                shapes |= {n: tuple(t.shape) for n, t in identity_recurrent_layer(cfg, shape, i).items()}
     return shapes
