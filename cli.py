@@ -165,6 +165,19 @@ class Device(click.ParamType):
         self.fail(f"{value!r} is not {'auto, ' if self.auto else ''}cpu, cuda or cuda:N", param, ctx)
 
 
+class ModelRef(click.ParamType):
+    """A model argument: a local path (directory, .gguf, ONNX export), or a Hugging Face repo id such as
+    Qwen/Qwen3.5-0.8B, resolved here to its cached snapshot (downloaded when not cached, unless HF_HUB_OFFLINE)."""
+    name = "model"
+
+    def convert(self, value, param, ctx):
+        from quantgate.formats.hub import resolve
+        return str(resolve(value))
+
+
+MODEL = ModelRef()
+
+
 DATA_HELP = ("text source: 'embedded' (the Python standard library's sources, always available), a text "
              "file, a folder, a glob, a WikiText-style file, or a local HF datasets folder (save_to_disk)")
 
@@ -212,13 +225,13 @@ def train(out, resume, compile_, **kw):
 
 
 @main.command("eval")
-@click.argument("model", type=click.Path())
+@click.argument("model", type=MODEL)
 @click.option("--data", default="embedded", show_default=True, help=DATA_HELP)
 @click.option("--ctx", type=CTX, default=256, show_default=True, help="window length, BOS included")
 @click.option("--split", type=click.Choice(["auto", "all", "train", "valid", "test"]), default="auto",
               show_default=True, help="auto: test split of the embedded corpus, whole text otherwise")
 @click.option("--max-windows", type=COUNT, default=None, help="evaluate at most N windows")
-@click.option("--reference", type=click.Path(), default=None,
+@click.option("--reference", type=MODEL, default=None,
               help="float model to compare against: adds KL divergence, top-1 agreement and the perplexity delta")
 @click.option("--torchao", type=click.Choice(["int8-dynamic", "int4-weight"]), default=None,
               help="run with torchao's real integer kernels (int4-weight needs CUDA)")
@@ -275,7 +288,7 @@ def _print_schemes(backend: str | None, as_json: bool) -> None:
 
 
 @main.command()
-@click.argument("model", type=click.Path(), required=False)
+@click.argument("model", type=MODEL, required=False)
 @click.option("--list", "list_schemes", is_flag=True,
               help="list every scheme of every backend (or of --backend): bits, activations, what it keeps at more "
                    "bits and what it writes; then exit")
@@ -349,7 +362,7 @@ def export():
 
 
 @export.command("gguf")
-@click.argument("model", type=click.Path())
+@click.argument("model", type=MODEL)
 @click.option("--out", required=True, type=click.Path(), help="output .gguf file")
 @click.option("--outtype", type=click.Choice(["f32", "f16", "bf16"]), default="f32", show_default=True,
               help="type of the matrices (norms stay f32); quantize afterwards with `quantgate quantize`")
@@ -361,7 +374,7 @@ def export_gguf_cmd(model, out, outtype):
 
 
 @export.command("onnx")
-@click.argument("model", type=click.Path())
+@click.argument("model", type=MODEL)
 @click.option("--out", required=True, type=click.Path(), help="output directory (model.onnx, config, tokenizer)")
 @click.option("--opset", type=click.Choice(["23", "18"]), default="23", show_default=True,
               help="23: ONNX Attention op with native GQA; 18: attention decomposed, for older runtimes")
@@ -381,7 +394,7 @@ def export_onnx_cmd(model, out, opset, graph, dtype):
 
 
 @main.command()
-@click.argument("model", type=click.Path())
+@click.argument("model", type=MODEL)
 @click.option("--prompt", required=True, help="text to continue (BOS is put in front)")
 @click.option("--max-tokens", type=COUNT, default=64, show_default=True,
               help="at most this many new tokens (fewer when the model's context fills up)")
@@ -415,7 +428,7 @@ def generate(model, prompt, max_tokens, temperature, seed, kv_type, threads):
 
 
 @main.command()
-@click.argument("model", type=click.Path())
+@click.argument("model", type=MODEL)
 @click.option("--json", "as_json", is_flag=True)
 def info(model, as_json):
     """Layout, gate mode, parameter count and dimensions of a model directory or a .gguf file."""
@@ -424,17 +437,17 @@ def info(model, as_json):
 
 
 @main.command()
-@click.argument("model", type=click.Path())
+@click.argument("model", type=MODEL)
 @click.option("--data", default="embedded", show_default=True, help=DATA_HELP)
 @click.option("--windows", "n_windows", type=COUNT, default=32, show_default=True, help="windows to run")
 @click.option("--ctx", type=CTX, default=256, show_default=True, help="window length, BOS included")
 @click.option("--split", type=click.Choice(["auto", "all", "train", "valid", "test"]), default="auto",
               show_default=True)
 @click.option("--seed", type=SEED, default=0, show_default=True, help="window sampler seed")
-@click.option("--compare", type=click.Path(), default=None, help="a second model (the twin) on the same windows")
+@click.option("--compare", type=MODEL, default=None, help="a second model (the twin) on the same windows")
 @click.option("--json", "json_out", type=click.Path(), default=None, help="write the full report here")
 @click.option("--plots", type=click.Path(), default=None, help="write PNG plots into this folder")
-@click.option("--reference", type=click.Path(), default=None,
+@click.option("--reference", type=MODEL, default=None,
               help="the float model MODEL was exported/quantized from: adds the gate-survival check")
 def analyze(model, data, n_windows, ctx, split, seed, compare, json_out, plots, reference):
     """Massive activations, attention sinks, linear-input outliers and gate sparsity, per layer.
@@ -481,7 +494,7 @@ def analyze(model, data, n_windows, ctx, split, seed, compare, json_out, plots, 
 
 
 @main.command()
-@click.argument("model", type=click.Path())
+@click.argument("model", type=MODEL)
 @click.option("--scheme", required=True, help="a scheme name, as for `quantgate quantize`")
 @click.option("--data", default="embedded", show_default=True, help=DATA_HELP)
 @click.option("--windows", "n_windows", type=COUNT, default=16, show_default=True,
@@ -509,7 +522,7 @@ def attribute(model, scheme, data, n_windows, calib_windows, ctx, json_out):
 
 
 @main.command()
-@click.option("--models", nargs=2, required=True, type=click.Path(), metavar="BASELINE GATED",
+@click.option("--models", nargs=2, required=True, type=MODEL, metavar="BASELINE GATED",
               help="the twins: a model without gate, then the gated one (same tokenizer)")
 @click.option("--data", default="embedded", show_default=True, help=DATA_HELP)
 @click.option("--backends", default="torch,onnx,gguf", show_default=True, help="comma list of torch, onnx, gguf")

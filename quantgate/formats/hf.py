@@ -23,6 +23,7 @@ from ..layouts import DEFAULT_LAYOUT_FOR_GATE, GLOBAL_NAMES, LAYOUTS, Q_NAME, La
 from ..model import Model, ModelConfig
 from ..quant.simulate import apply_saved_quantization
 from ..tokenizer import Tokenizer, load_tokenizer
+from .hub import resolve
 
 
 @dataclass
@@ -352,8 +353,9 @@ def write_state_dict(model: Model, layout: Layout) -> dict[str, torch.Tensor]:
 
 def load_hf(path: str | Path, with_tokenizer: bool = True) -> Loaded:
     """A model directory (any layout of LAYOUTS) into our Model (fp32, eval mode); a quantgate-quantized
-    checkpoint gets its saved scheme back (`apply_saved_quantization`)."""
-    path = Path(path)
+    checkpoint gets its saved scheme back (`apply_saved_quantization`). A Hugging Face repo id is resolved to its
+    cached (else downloaded) snapshot first (quantgate.formats.hub)."""
+    path = resolve(path)
     if not path.exists():
         raise QuantgateError(f"model directory {path} does not exist")
     if not path.is_dir():
