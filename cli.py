@@ -464,15 +464,23 @@ def analyze(model, data, n_windows, ctx, split, seed, compare, json_out, plots, 
     for name, rep in result["reports"].items():
         t = Table(title=f"{name} ({rep['gate']}, {rep['windows']} windows x {rep['ctx']}; "
                         f"uniform BOS share {rep['uniform_bos_share']:.3f})")
-        for col in ("layer", "max|h|", "pos", "chan", "max/med", "BOS mean", "BOS max", "gate", "g<0.1"):
+        hybrid = any(l.get("kind") == "linear_attention" for l in rep["layers"])
+        cols = ("layer", *(("kind",) if hybrid else ()), "max|h|", "pos", "chan", "max/med", "BOS mean", "BOS max",
+                "gate", "g<0.1")
+        for col in cols:
             t.add_column(col, justify="right")
+        if hybrid:
+            t.caption = "gate: sigmoid(X W_g) on attention layers, the GDN's silu(z) on linear ones (g<0.1: |value|)"
         for l in rep["layers"]:
-            gate = ("-", "-") if "gate_mean" not in l else (
-                f"{sum(l['gate_mean']) / len(l['gate_mean']):.3f}",
-                f"{sum(l['gate_frac_below_0.1']) / len(l['gate_frac_below_0.1']):.1%}")
-            t.add_row(str(l["layer"]), f"{l['max_abs']:.1f}", str(l["max_position"]), str(l["max_channel"]),
-                      f"{l['max_over_median']:.1f}", f"{l['bos_attention_mean']:.3f}", f"{max(l['bos_attention']):.3f}",
-                      *gate)
+            g = next((k for k in ("gate", "gdn_gate") if f"{k}_mean" in l), None)
+            gate = ("-", "-") if g is None else (
+                f"{sum(l[f'{g}_mean']) / len(l[f'{g}_mean']):.3f}",
+                f"{sum(l[f'{g}_frac_below_0.1']) / len(l[f'{g}_frac_below_0.1']):.1%}")
+            bos = ("-", "-") if l["bos_attention"] is None else (f"{l['bos_attention_mean']:.3f}",
+                                                                f"{max(l['bos_attention']):.3f}")
+            kind = (("GDN" if l["kind"] == "linear_attention" else "attn"),) if hybrid else ()
+            t.add_row(str(l["layer"]), *kind, f"{l['max_abs']:.1f}", str(l["max_position"]), str(l["max_channel"]),
+                      f"{l['max_over_median']:.1f}", *bos, *gate)
         out.print(t)
         worst = max(rep["linear_inputs"].items(), key=lambda kv: kv[1]["kurtosis"])
         out.print(f"highest linear-input kurtosis: {worst[0]} = {worst[1]['kurtosis']:.1f} "

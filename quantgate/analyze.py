@@ -62,9 +62,10 @@ def plot_reports(reports: dict[str, dict], out_dir: str | Path) -> list[Path]:
     plt.close(fig)
 
     fig, axes = plt.subplots(1, len(reports), figsize=(4.5 * len(reports), 3.8), squeeze=False)
-    vmax = max(max(max(l["bos_attention"]) for l in r["layers"]) for r in reports.values())
+    vmax = max(max(l["bos_attention"]) for r in reports.values() for l in r["layers"] if l["bos_attention"])
     for ax, (name, rep) in zip(axes[0], reports.items()):
-        grid = np.array([l["bos_attention"] for l in rep["layers"]])
+        H = next(len(l["bos_attention"]) for l in rep["layers"] if l["bos_attention"])
+        grid = np.array([l["bos_attention"] or [np.nan] * H for l in rep["layers"]])  # GDN layers: blank rows
         im = ax.imshow(grid, aspect="auto", cmap="magma", vmin=0, vmax=vmax)
         ax.set_title(f"{name}: attention on BOS\n(uniform would be {rep['uniform_bos_share']:.3f})", fontsize=9)
         ax.set_xlabel("head")
@@ -73,12 +74,13 @@ def plot_reports(reports: dict[str, dict], out_dir: str | Path) -> list[Path]:
     paths.append(save_figure(fig, out_dir / "bos_attention.png"))
     plt.close(fig)
 
-    gated = {n: r for n, r in reports.items() if "gate_histogram" in r["layers"][0]}
+    gated = {n: [l for l in r["layers"] if "gate_histogram" in l] for n, r in reports.items()}
+    gated = {n: L for n, L in gated.items() if L}
     if gated:
-        n_layers = max(len(r["layers"]) for r in gated.values())
+        n_layers = max(len(L) for L in gated.values())
         fig, axes = plt.subplots(len(gated), n_layers, figsize=(2.2 * n_layers, 2.2 * len(gated)), squeeze=False)
-        for row, (name, rep) in zip(axes, gated.items()):
-            for ax, l in zip(row, rep["layers"]):
+        for row, (name, layers) in zip(axes, gated.items()):
+            for ax, l in zip(row, layers):
                 bins, counts = np.array(l["gate_histogram"]["bins"]), np.array(l["gate_histogram"]["counts"])
                 ax.bar(bins[:-1], counts / counts.sum(), width=np.diff(bins), align="edge")
                 ax.set_title(f"{name} L{l['layer']}: <0.1 {np.mean(l['gate_frac_below_0.1']):.0%}", fontsize=8)

@@ -25,7 +25,12 @@ def model_info(path: str) -> dict:
                                  f"(layers {', '.join(map(str, cfg.full_attention_layers))})",
                   "gated_deltanet": {"key_heads": cfg.linear_key_heads, "value_heads": cfg.linear_value_heads,
                                      "key_dim": cfg.linear_key_dim, "value_dim": cfg.linear_value_dim,
-                                     "conv_kernel": cfg.linear_conv_kernel}}
+                                     "conv_kernel": cfg.linear_conv_kernel},
+                  # what a sequence holds while generating: fp16 KV cache on the full-attention layers only, and the
+                  # GDN layers' fixed fp32 state (recurrent [Hv, dk, dv] and conv [C, K-1]), whatever the length
+                  "kv_cache_bytes_per_token": 2 * 2 * cfg.n_kv_heads * cfg.head_dim * (cfg.n_layers - n_lin),
+                  "recurrent_state_bytes": 4 * n_lin * (cfg.linear_value_heads * cfg.linear_key_dim * cfg.linear_value_dim
+                                                        + cfg.linear_conv_dim * (cfg.linear_conv_kernel - 1))}
     skipped = cfg.extra.get("skipped_tensors")
     if skipped:
         hybrid["not_read"] = ", ".join(f"{part} ({n} tensors)" for part, n in sorted(skipped.items()))

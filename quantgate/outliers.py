@@ -5,7 +5,9 @@
 - attention sinks: per layer and head, the attention mass on position 0 (BOS), averaged over query
   positions >= 1;
 - linear-input outliers: max |x| and kurtosis of the input of every linear layer;
-- gate: per layer and head, the mean of sigmoid(X W_g) and the fraction of values below 0.1.
+- gate: per layer and head, the mean of sigmoid(X W_g) and the fraction of values below 0.1;
+- hybrids: attention sinks on the full-attention layers only (a Gated DeltaNet layer has no attention
+  probabilities), and the GDN's own output gate silu(z) per value head: its mean and the fraction |silu(z)| < 0.1.
 
 Everything is accumulated batch by batch with forward hooks and the model's probe path, so the only
 per-layer state kept is a bounded sample of |h| for the median.
@@ -18,7 +20,7 @@ import numpy as np
 import torch
 
 from .capture import capture
-from .model import Model, attention_only
+from .model import Model
 
 MEDIAN_SAMPLE = 1 << 20  # |h| values kept per layer for the median (exact below this count)
 
@@ -64,6 +66,9 @@ class LayerAccumulator:
     gate_low: torch.Tensor | None = None
     gate_count: int = 0
     gate_hist: np.ndarray | None = None
+    gdn_sum: torch.Tensor | None = None  # per value head: mean silu(z), fraction |silu(z)| < 0.1
+    gdn_low: torch.Tensor | None = None
+    gdn_count: int = 0
 
 
 GATE_BINS = np.linspace(0.0, 1.0, 51)
@@ -97,8 +102,25 @@ class OutlierCollector:
     def post_hooks(self) -> list:
         """Every gate's output; and the model's own output, which ends a batch (window count, context)."""
         gates = [(layer.self_attn.g_proj, self._gate_hook(i)) for i, layer in enumerate(self.model.layers)
-                 if layer.self_attn.g_proj is not None]
-        return gates + [(self.model, self._batch_done)]
+                 if not layer.is_linear and layer.self_attn.g_proj is not None]
+        gdn = [(layer.linear_attn.in_proj_z, self._gdn_gate_hook(i)) for i, layer in enumerate(self.model.layers)
+               if layer.is_linear]
+        return gates + gdn + [(self.model, self._batch_done)]
+
+    def _gdn_gate_hook(self, i: int):
+        Hv = self.model.cfg.linear_value_heads
+
+        def hook(_mod, _args, out):
+            z = torch.nn.functional.silu(out.detach().float())
+            B, T, _ = z.shape
+            z = z.view(B, T, Hv, -1)
+            acc = self.layers[i]
+            mean = z.mean(dim=(0, 1, 3)) * (B * T)
+            low = (z.abs() < 0.1).float().mean(dim=(0, 1, 3)) * (B * T)
+            acc.gdn_sum = mean if acc.gdn_sum is None else acc.gdn_sum + mean
+            acc.gdn_low = low if acc.gdn_low is None else acc.gdn_low + low
+            acc.gdn_count += B * T
+        return hook
 
     def _batch_done(self, _mod, args, _out) -> None:
         self._windows_seen += args[0].shape[0]
@@ -143,6 +165,8 @@ class OutlierCollector:
             s = _sample(a, min(budget * B, MEDIAN_SAMPLE - acc.n_sampled), self.gen)
             acc.samples.append(s)
             acc.n_sampled += s.numel()
+        if probs is None:  # a Gated DeltaNet layer: no attention probabilities
+            return
         bos = probs[:, :, 1:, 0].float()  # [B, H, T-1]: attention of queries >= 1 on BOS
         acc.bos_sum = bos.sum(dim=(0, 2)) if acc.bos_sum is None else acc.bos_sum + bos.sum(dim=(0, 2))
         acc.bos_count += bos.shape[0] * bos.shape[2]
@@ -152,18 +176,21 @@ class OutlierCollector:
         for i, acc in enumerate(self.layers):
             median = float(torch.cat(acc.samples).median())
             top = torch.topk(acc.channel_max, min(self.top_k, acc.channel_max.numel()))
+            bos = None if acc.bos_sum is None else (acc.bos_sum / acc.bos_count).tolist()
             entry = {
-                "layer": i, "max_abs": acc.max_abs, "max_window": acc.where[0], "max_position": acc.where[1],
+                "layer": i, "kind": self.model.cfg.layer_type(i), "max_abs": acc.max_abs, "max_window": acc.where[0], "max_position": acc.where[1],
                 "max_channel": acc.where[2], "median_abs": median,
                 "max_over_median": acc.max_abs / median if median > 0 else float("inf"),
                 "top_channels": [{"channel": int(c), "max_abs": float(v)} for v, c in zip(top.values, top.indices)],
-                "bos_attention": (acc.bos_sum / acc.bos_count).tolist(),
+                "bos_attention": bos, "bos_attention_mean": None if bos is None else float(np.mean(bos)),
             }
-            entry["bos_attention_mean"] = float(np.mean(entry["bos_attention"]))
             if acc.gate_count:
                 entry["gate_mean"] = (acc.gate_sum / acc.gate_count).tolist()
                 entry["gate_frac_below_0.1"] = (acc.gate_low / acc.gate_count).tolist()
                 entry["gate_histogram"] = {"bins": GATE_BINS.tolist(), "counts": acc.gate_hist.tolist()}
+            if acc.gdn_count:
+                entry["gdn_gate_mean"] = (acc.gdn_sum / acc.gdn_count).tolist()
+                entry["gdn_gate_frac_below_0.1"] = (acc.gdn_low / acc.gdn_count).tolist()
             layers.append(entry)
         linear = {name: {"max_abs": m.max_abs, "kurtosis": m.kurtosis(), "n": m.n}
                   for name, m in sorted(self.linear.items())}
@@ -174,7 +201,6 @@ class OutlierCollector:
 
 def analyze_model(model: Model, windows: np.ndarray, batch: int = 4, top_k: int = 8) -> dict:
     """Outlier report of `model` over `windows` ([N, T] int64, BOS first)."""
-    attention_only(model.cfg, "quantgate analyze")
     col = OutlierCollector(model, top_k=top_k)
     capture(model, windows, pre=col.pre_hooks(), post=col.post_hooks(), batch=batch, label="analyze", probe=True,
             on_layer=col.layer)

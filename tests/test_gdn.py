@@ -116,3 +116,25 @@ def test_bad_layer_types_are_refused():
         hybrid(preset("tiny")).__class__(**{**preset("tiny").to_dict(), "layer_types": ["linear_attention"]})
     with pytest.raises(ValueError, match="linear_key_heads must be a positive integer"):
         preset("tiny", layer_types=("linear_attention", "full_attention"))
+
+
+def test_analysis_of_a_hybrid_reads_each_layer_kind(tmp_path):
+    """Massive activations on every layer; attention on BOS only where there is attention; the attention gate on
+    full-attention layers and the GDN's silu(z) gate on linear ones; the plots take the blank GDN rows."""
+    import numpy as np
+
+    from quantgate.analyze import plot_reports
+    from quantgate.outliers import analyze_model
+    m = build_model(hybrid(preset("tiny", n_layers=4, gate="elementwise")), seed=0).eval()
+    randomize_(m)
+    rep = analyze_model(m, np.asarray(IDS[:, :16]))
+    kinds = [l["kind"] for l in rep["layers"]]
+    assert kinds == ["linear_attention"] * 3 + ["full_attention"]
+    for l in rep["layers"]:
+        assert l["max_abs"] > 0
+        gdn = l["kind"] == "linear_attention"
+        assert (l["bos_attention"] is None) == gdn and ("gdn_gate_mean" in l) == gdn and ("gate_mean" in l) != gdn
+    assert len(rep["layers"][0]["gdn_gate_mean"]) == m.cfg.linear_value_heads
+    assert 0 <= rep["layers"][3]["bos_attention_mean"] <= 1
+    names = {p.name for p in plot_reports({"gated": rep}, tmp_path / "plots")}
+    assert {"max_activation.png", "bos_attention.png", "gate_histograms.png"} <= names
