@@ -114,7 +114,8 @@ def quantize_(model: Model, scheme: Scheme, calib_windows: np.ndarray | None = N
 
     only(name) -> bool restricts quantization to some Linears (error attribution); the rest stay float.
     """
-    attention_only(model.cfg, "quantgate quantize --backend torch")
+    if scheme.smooth_alpha is not None:
+        attention_only(model.cfg, f"scheme {scheme.name} (SmoothQuant)")
     if scheme.gate_bits is not None and model.cfg.gate == "none":
         raise QuantgateError(f"scheme {scheme.name} keeps the gate at {scheme.gate_bits} bits, "
                              f"but this model has no attention gate")
