@@ -21,7 +21,8 @@ from quantgate import __version__
 from quantgate.errors import QuantgateError
 from quantgate.formats import artifact_kind, inspect_gguf, load_checkpoint
 from quantgate.formats.gguf_layout import (BLOCK_TENSORS, GGUF_ARCHS, GLOBAL_TENSORS, LAYER_TENSORS, LINEAR_TO_GGUF,
-                                           POST_ATTENTION_NORM, Q_TENSOR, QWEN2_SPLIT, IdentityLayerShape, arch_of,
+                                           POST_ATTENTION_NORM, Q_TENSOR, QWEN2_SPLIT,
+                                           SPLIT_PRE_TOKENIZERS, IdentityLayerShape, arch_of,
                                            expected_tensor_names, expected_tensor_shapes, gguf_arch,
                                            gdn_to_gguf, identity_recurrent_layer, rope_sections)
 from quantgate.fsio import atomic_path, check_output
@@ -50,11 +51,14 @@ def tokenizer_pre(tok: Tokenizer) -> str:
         return "gpt-2"
     if pre.get("type") == "Sequence":
         parts = pre.get("pretokenizers", [])
-        if (len(parts) == 2 and parts[0].get("type") == "Split" and parts[0].get("pattern", {}).get("Regex") ==
-                QWEN2_SPLIT and parts[1].get("type") == "ByteLevel" and not parts[1].get("use_regex", True)):
-            return "qwen2"
+        if (len(parts) == 2 and parts[0].get("type") == "Split" and parts[1].get("type") == "ByteLevel"
+                and not parts[1].get("use_regex", True)):
+            regex = parts[0].get("pattern", {}).get("Regex")
+            for name, split in SPLIT_PRE_TOKENIZERS.items():
+                if regex == split:
+                    return name
     raise QuantgateError("the tokenizer's pre-tokenizer matches no llama.cpp pre-tokenizer quantgate knows "
-                         "(supported: ByteLevel as GPT-2, Qwen2's Split+ByteLevel)")
+                         "(supported: ByteLevel as GPT-2, Qwen2's and Qwen3.5's Split+ByteLevel)")
 
 
 def tokenizer_fields(tok: Tokenizer, n_rows: int) -> dict:

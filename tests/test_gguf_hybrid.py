@@ -72,3 +72,39 @@ def test_quantized_hybrid_ggufs_keep_both_gates_and_the_small_gdn_tensors(tmp_pa
         assert np.isfinite(lg).all()
         kld[(qtype, bits)] = float(position_kld(ref, lg).mean())
     assert 0 < kld[("Q8_0", None)] < kld[("Q4_K_M", None)]
+
+
+def test_a_qwen3_5_tokenizer_is_written_as_qwen35_and_tokenizes_as_llama_cpp_does(tmp_path):
+    """Qwen3.5's pre-tokenizer (Qwen2's regex with combining marks in letter runs, NFC) becomes tokenizer.ggml.pre
+    qwen35; llama.cpp, our rebuilt tokenizer and the original agree on NFC text, combining marks included."""
+    import json
+    import unicodedata
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from quantgate.formats.gguf import tokenizer_from_gguf
+    from quantgate.formats.gguf_layout import QWEN35_SPLIT
+    from quantgate.tokenizer import Tokenizer, train_bpe
+    text = open(torch.__file__).read() * 2 + "e\u0301t\u00e9 na\u0303o \u0915\u093f\u0924\u093e\u092c " * 50
+    base = train_bpe([text], 400)
+    spec = json.loads(base.tok.to_str())
+    spec["normalizer"] = {"type": "NFC"}
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [  # Qwen3.5's tokenizer.json form
+        {"type": "Split", "pattern": {"Regex": QWEN35_SPLIT}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
+    tok = Tokenizer(HFTokenizer.from_str(json.dumps(spec)), base.bos_id, base.eos_id, base.pad_id)
+    _, m = _twins(1)
+    m = m.__class__(m.cfg.__class__(**{**m.cfg.to_dict(), "vocab_size": 420}))
+    save_checkpoint(m.eval(), tmp_path / "m", tok)
+    export_checkpoint(tmp_path / "m", tmp_path / "m.gguf")
+    reader = open_reader(tmp_path / "m.gguf")
+    assert reader.get_field("tokenizer.ggml.pre").contents() == "qwen35"
+    rebuilt = tokenizer_from_gguf(reader)
+    samples = ["caf\u00e9 na\u0303o \u0915\u093f\u0924\u093e\u092c", "def f(x):\n    return x ** 2  # \u00fcn\u00efc\u00f6d\u00e9",
+               text[:2000]]
+    # NFC text: llama.cpp does not normalize, so only text already in NFC can agree (Devanagari vowel signs are
+    # combining marks that NFC keeps: the \p{M} in the letter runs is exercised)
+    samples = [unicodedata.normalize("NFC", x) for x in samples]
+    with LlamaRunner(tmp_path / "m.gguf", n_ctx=64) as r:
+        for s in samples:
+            assert r.tokenize(s) == tok.encode(s) == rebuilt.encode(s), s[:40]

@@ -22,7 +22,7 @@ from ..errors import QuantgateError
 from ..model import Model, ModelConfig
 from ..quant.schemes import llama_file_type_name
 from ..tokenizer import Tokenizer
-from .gguf_layout import (BLOCK_TENSORS, GGUF_ARCHS, GLOBAL_TENSORS, LAYER_TENSORS, Q_TENSOR, QWEN2_SPLIT,
+from .gguf_layout import (BLOCK_TENSORS, GGUF_ARCHS, GLOBAL_TENSORS, LAYER_TENSORS, Q_TENSOR, SPLIT_PRE_TOKENIZERS,
                           SUPPORTED_ARCHS, expected_tensor_names, expected_tensor_shapes, gdn_from_gguf)
 from .hf import Loaded, check_fits_in_memory
 
@@ -294,9 +294,9 @@ def tokenizer_from_gguf(reader) -> Tokenizer:
     path = Path(reader.data.filename)
     m = _Meta(reader, path)
     model, pre = m.str("tokenizer.ggml.model"), m.str("tokenizer.ggml.pre")
-    if model != "gpt2" or pre not in ("gpt-2", "qwen2"):
+    if model != "gpt2" or pre not in ("gpt-2", *SPLIT_PRE_TOKENIZERS):
         raise QuantgateError(f"{path}: tokenizer {str(model)[:20]!r}/{str(pre)[:20]!r} is not supported "
-                             f"(byte-level BPE gpt-2 or qwen2 only)")
+                             f"(byte-level BPE gpt-2, qwen2 or qwen35 only)")
     tokens = m.list("tokenizer.ggml.tokens", str) or []
     types = m.list("tokenizer.ggml.token_type", int) or [1] * len(tokens)
     if len(types) != len(tokens) or len(set(tokens)) != len(tokens):
@@ -326,9 +326,10 @@ def _hf_tokenizer(tokens: list[str], types: list[int], merges: list, pre: str):
         pre_tok = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
     else:
         pre_tok = {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated", "invert": False},
+            {"type": "Split", "pattern": {"Regex": SPLIT_PRE_TOKENIZERS[pre]}, "behavior": "Isolated", "invert": False},
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
-    spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+    normalizer = {"type": "NFC"} if pre == "qwen35" else None  # Qwen3.5's tokenizer.json normalizes; llama.cpp not
+    spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": normalizer,
             "pre_tokenizer": pre_tok, "post_processor": None,
             "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
             "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,

@@ -121,6 +121,11 @@ IDENTITY_TENSORS = tuple(tensor_name(t, s) for t, s in (
 # The HF pre-tokenizer that llama.cpp's `tokenizer.ggml.pre` "qwen2" reproduces (llama.cpp's own table).
 QWEN2_SPLIT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
                "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+# Qwen3.5's (transformers' PRETOKENIZE_REGEX): Qwen2's with combining marks \p{M} in letter runs; llama.cpp "qwen35".
+# Its tokenizer.json also NFC-normalizes, which llama.cpp does not: text that is not NFC may tokenize differently.
+QWEN35_SPLIT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+"
+                "[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+SPLIT_PRE_TOKENIZERS = {"qwen2": QWEN2_SPLIT, "qwen35": QWEN35_SPLIT}  # llama.cpp pre name -> the HF Split regex
 
 
 def arch_tensors(arch: str) -> set[str]:
