@@ -528,8 +528,8 @@ def attention_only(cfg: ModelConfig, what: str) -> None:
     """Refuse a hybrid in the verbs that do not handle Gated DeltaNet layers yet (one line, before any work)."""
     if cfg.is_hybrid:
         raise QuantgateError(f"{what} does not handle hybrid (Gated DeltaNet) models yet; train, info, eval, generate, "
-                             f"analyze, torch quantization and GGUF export (with llama.cpp's quantize, eval and "
-                             f"generate on it) do")
+                             f"analyze (with the gate-survival check), torch quantization and GGUF export (with "
+                             f"llama.cpp's quantize, eval and generate on it) do")
 
 
 def build_model(cfg: ModelConfig, seed: int | None = 0) -> Model:

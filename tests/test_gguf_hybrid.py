@@ -53,6 +53,7 @@ def test_quantized_hybrid_ggufs_keep_both_gates_and_the_small_gdn_tensors(tmp_pa
     """Q8_0, Q4_K_M and gate-aware Q4_K_M of a hybrid load and run in llama.cpp; --gate-bits 8 keeps both gates
     (attention attn_q, GDN attn_gate) at Q8_0, and ssm_alpha/ssm_beta stay Q8_0 in every type; KLD grows as bits
     fall."""
+    from quantgate.gate_survival import gate_survival
     from quantgate.gguf_quantize import quantize_gguf
     from quantgate.metrics import position_kld
     _, m = _twins(2)
@@ -60,7 +61,7 @@ def test_quantized_hybrid_ggufs_keep_both_gates_and_the_small_gdn_tensors(tmp_pa
     export_checkpoint(tmp_path / "g", tmp_path / "g.gguf", "f32")
     with torch.no_grad():
         ref = m(torch.as_tensor(WINDOWS)).logits.numpy()
-    kld = {}
+    kld, survival = {}, {}
     for qtype, bits in (("Q8_0", None), ("Q4_K_M", None), ("Q4_K_M", 8)):
         out = tmp_path / f"{qtype}-{bits}.gguf"
         res = quantize_gguf(tmp_path / "g.gguf", out, qtype, gate_bits=bits)
@@ -71,7 +72,13 @@ def test_quantized_hybrid_ggufs_keep_both_gates_and_the_small_gdn_tensors(tmp_pa
             lg = run.logits(WINDOWS)
         assert np.isfinite(lg).all()
         kld[(qtype, bits)] = float(position_kld(ref, lg).mean())
+        survival[(qtype, bits)] = gate_survival(load_checkpoint(out).model, m, WINDOWS)
     assert 0 < kld[("Q8_0", None)] < kld[("Q4_K_M", None)]
+    # both gates are checked after export, and keeping them at Q8_0 keeps them closer on every gated layer
+    kinds = [l["kind"] for l in survival[("Q8_0", None)]["layers"]]
+    assert kinds == ["gdn", "gdn", "gdn", "attention"]
+    plain, kept = (survival[("Q4_K_M", b)]["layers"] for b in (None, 8))
+    assert all(k["mean_abs_diff"] < p["mean_abs_diff"] for p, k in zip(plain, kept))
 
 
 def test_a_qwen3_5_tokenizer_is_written_as_qwen35_and_tokenizes_as_llama_cpp_does(tmp_path):
