@@ -339,6 +339,7 @@ def _bucket(r) -> str:
     return "exit 2: other"
 
 
+@pytest.mark.slow  # about 4 minutes, the longest test: it runs in CI's second step (pytest -m slow)
 def test_fuzz_sweep(base, tmp_path, capsys):
     from cli_server import CliServer
     rng = random.Random(SEED)

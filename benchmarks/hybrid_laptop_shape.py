@@ -1,0 +1,93 @@
+"""A Qwen3.5-0.8B-shaped hybrid with random weights (speed and memory do not depend on the values) on this CPU:
+what the GGUF path costs at a real model's shape.
+
+Shape (QWEN35.md section 1.2): d 1024, 24 layers (18 Gated DeltaNet, every fourth full attention), 8 heads x 256
+with 2 KV heads and partial rotary 64, GDN 16 key / 16 value heads of 128, ffn 3584, vocab 248,320, tied
+embeddings, rope theta 1e7. Measures: save (safetensors), F32 GGUF export and llama.cpp Q4_K_M quantization times;
+peak RSS of `quantgate analyze` (4 windows of 256, a child process); llama.cpp Q4_K_M prefill 128 / decode 64
+tokens/s at 2 threads (the runners' bench protocol: one warm-up, then median of rounds). ONNX Runtime is not
+measured: hybrids do not export to ONNX yet.
+
+    python benchmarks/hybrid_laptop_shape.py [--threads 2] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from quantgate.export.gguf import export_checkpoint
+from quantgate.formats import inspect_gguf, save_checkpoint
+from quantgate.gguf_quantize import quantize_gguf
+from quantgate.model import ModelConfig, build_model, hybrid
+from quantgate.runners import LlamaRunner
+from quantgate.tokenizer import byte_tokenizer
+
+ANALYZE = """
+import resource, sys
+from quantgate.analyze import analyze
+analyze(sys.argv[1], sys.argv[2], ctx=256, n_windows=4)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def qwen35_08b() -> ModelConfig:
+    base = ModelConfig(vocab_size=248320, dim=1024, n_layers=24, n_heads=8, n_kv_heads=2, head_dim=256, ffn_dim=3584,
+                       gate="elementwise", rope_theta=1e7, tie_embeddings=True, max_seq_len=4096)
+    return replace(hybrid(base), linear_key_heads=16, linear_value_heads=16, linear_key_dim=128, linear_value_dim=128)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", default="/tmp/quantgate-hybrid-08b")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "hybrid_laptop_shape.json"))
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    cfg = qwen35_08b()
+    times = {}
+    t = time.perf_counter()
+    model = build_model(cfg, seed=0).eval()
+    n_params = model.num_params()
+    if not (work / "m" / "config.json").exists():
+        save_checkpoint(model, work / "m", byte_tokenizer())
+    del model
+    times["build_and_save_s"] = time.perf_counter() - t
+    (work / "text.txt").write_text(open(json.__file__).read() * 4)
+    t = time.perf_counter()
+    export_checkpoint(work / "m", work / "m-F32.gguf", "f32") if not (work / "m-F32.gguf").exists() else None
+    times["export_f32_gguf_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    if not (work / "m-Q4_K_M.gguf").exists():
+        quantize_gguf(work / "m-F32.gguf", work / "m-Q4_K_M.gguf", "Q4_K_M", threads=args.threads)
+    times["quantize_q4_k_m_s"] = time.perf_counter() - t
+    r = subprocess.run([sys.executable, "-c", ANALYZE, str(work / "m"), str(work / "text.txt")], capture_output=True,
+                       text=True, env={"QUANTGATE_PROGRESS": "0", "PATH": "/usr/bin:/bin"})
+    peak_analyze = int(r.stdout.strip().splitlines()[-1]) * 1024 if r.returncode == 0 else None
+    ids = list(range(3, 3 + 192))
+    with LlamaRunner(work / "m-Q4_K_M.gguf", n_ctx=256, kv_type="f16", threads=args.threads, logits_all=False) as run:
+        speed = run.bench(ids[:128], ids[128:], repeats=args.rounds, warmup=1)
+    info = inspect_gguf(work / "m-Q4_K_M.gguf")
+    result = {
+        "command": f"python benchmarks/hybrid_laptop_shape.py --threads {args.threads} --rounds {args.rounds}",
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
+        "shape": {k: v for k, v in cfg.to_dict().items() if k != "extra"}, "params": n_params,
+        "times": {k: round(v, 1) for k, v in times.items()},
+        "analyze_peak_rss_bytes": peak_analyze, "analyze_error": None if peak_analyze else r.stderr[-300:],
+        "q4_k_m": {"bytes": info.n_bytes, "bits_per_weight": round(info.bits_per_weight, 3),
+                   "prefill_tps": speed["prefill_tps"], "decode_tps": speed["decode_tps"], "rounds": args.rounds,
+                   "kv_type": "f16", "prompt_tokens": 128, "decode_tokens": 64},
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["times"]), result["q4_k_m"], peak_analyze)
+
+
+if __name__ == "__main__":
+    main()
