@@ -69,7 +69,7 @@ def main() -> None:
         quantize_gguf(work / "m-F32.gguf", work / "m-Q4_K_M.gguf", "Q4_K_M", threads=args.threads)
     times["quantize_q4_k_m_s"] = time.perf_counter() - t
     r = subprocess.run([sys.executable, "-c", ANALYZE, str(work / "m"), str(work / "text.txt")], capture_output=True,
-                       text=True, env={"QUANTGATE_PROGRESS": "0", "PATH": "/usr/bin:/bin"})
+                       text=True, cwd="/", env={"QUANTGATE_PROGRESS": "0", "PATH": "/usr/bin:/bin"})
     peak_analyze = int(r.stdout.strip().splitlines()[-1]) * 1024 if r.returncode == 0 else None
     ids = list(range(3, 3 + 192))
     with LlamaRunner(work / "m-Q4_K_M.gguf", n_ctx=256, kv_type="f16", threads=args.threads, logits_all=False) as run:
