@@ -164,12 +164,12 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
         raise QuantgateError(f"{path}: rope.dimension_count {rot} is odd")
     n_layers = n_blocks - identity
     flags = m.list(f"{arch}.attention.recurrent_layers", bool) or []
-    if flags and len(flags) != n_blocks:
-        raise QuantgateError(f"{path}: {arch}.attention.recurrent_layers lists {len(flags)} layers, block_count is "
-                             f"{n_blocks}")
     recurrent = tuple(i for i, f in enumerate(flags[:n_layers]) if f)
     tensors = {t.name: t for t in reader.tensors}
     _check_tensor_set(path, arch, n_layers, identity, set(tensors), n_blocks, recurrent)
+    if flags and len(flags) != n_blocks:  # after the tensor set, which names a wrong block count more plainly
+        raise QuantgateError(f"{path}: {arch}.attention.recurrent_layers lists {len(flags)} layers, block_count is "
+                             f"{n_blocks}")
     emb_rows = int(tensors["token_embd.weight"].shape[1]) if len(tensors["token_embd.weight"].shape) == 2 else 0
     if emb_rows < 1:
         raise QuantgateError(f"{path}: token_embd.weight is not a matrix")

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from ..errors import QuantgateError
+from .kind import artifact_kind
 
 REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 FILES = ["*.json", "*.safetensors", "*.txt", "*.jinja"]
@@ -20,7 +21,7 @@ FILES = ["*.json", "*.safetensors", "*.txt", "*.jinja"]
 def is_hub_id(name: str | Path) -> bool:
     """`org/name` that is not a path on this machine (a local folder of that name wins)."""
     s = str(name)
-    return bool(REPO_ID.fullmatch(s)) and not s.endswith((".gguf", ".onnx")) and not os.path.lexists(s)
+    return bool(REPO_ID.fullmatch(s)) and artifact_kind(s) == "hf" and not os.path.lexists(s)
 
 
 def offline() -> bool:
