@@ -17,6 +17,7 @@ import json
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -44,29 +45,31 @@ def qwen35_08b() -> ModelConfig:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", default="/tmp/quantgate-hybrid-08b")
+    ap.add_argument("--work", default=None, help="parent of the fresh folder the files go to (default: the temp dir)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "hybrid_laptop_shape.json"))
     args = ap.parse_args()
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="quantgate-hybrid-08b-", dir=args.work) as tmp:
+        run(Path(tmp), args)
+
+
+def run(work: Path, args) -> None:
+    """Every step from scratch in `work` (a fresh folder, removed afterwards): the times are never of reused files."""
     cfg = qwen35_08b()
     times = {}
     t = time.perf_counter()
     model = build_model(cfg, seed=0).eval()
     n_params = model.num_params()
-    if not (work / "m" / "config.json").exists():
-        save_checkpoint(model, work / "m", byte_tokenizer())
+    save_checkpoint(model, work / "m", byte_tokenizer())
     del model
     times["build_and_save_s"] = time.perf_counter() - t
     (work / "text.txt").write_text(open(json.__file__).read() * 4)
     t = time.perf_counter()
-    export_checkpoint(work / "m", work / "m-F32.gguf", "f32") if not (work / "m-F32.gguf").exists() else None
+    export_checkpoint(work / "m", work / "m-F32.gguf", "f32")
     times["export_f32_gguf_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    if not (work / "m-Q4_K_M.gguf").exists():
-        quantize_gguf(work / "m-F32.gguf", work / "m-Q4_K_M.gguf", "Q4_K_M", threads=args.threads)
+    quantize_gguf(work / "m-F32.gguf", work / "m-Q4_K_M.gguf", "Q4_K_M", threads=args.threads)
     times["quantize_q4_k_m_s"] = time.perf_counter() - t
     r = subprocess.run([sys.executable, "-c", ANALYZE, str(work / "m"), str(work / "text.txt")], capture_output=True,
                        text=True, cwd="/", env={"QUANTGATE_PROGRESS": "0", "PATH": "/usr/bin:/bin"})

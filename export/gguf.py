@@ -110,7 +110,7 @@ def gguf_tensors(model: Model) -> dict[str, torch.Tensor]:
             out.update(gdn_to_gguf(cfg, sd, i))
             continue
         g = sd.get(f"layers.{i}.self_attn.g_proj.weight")
-        if g is None and arch.q_rows(1, 1) == 2:  # a hybrid baseline in qwen35: sigmoid(0) = 1/2, undone by 2 * W_o
+        if g is None and cfg.is_hybrid:  # a hybrid baseline goes to qwen35: sigmoid(0) = 1/2, undone by 2 * W_o
             g = torch.zeros(cfg.n_heads * cfg.head_dim, cfg.dim)
             out[f"blk.{i}.{LAYER_TENSORS['self_attn.o_proj.weight']}"] = 2 * sd[f"layers.{i}.self_attn.o_proj.weight"]
         out[f"blk.{i}.{Q_TENSOR}"] = arch.fuse_q(sd[f"layers.{i}.self_attn.q_proj.weight"], g, cfg)
