@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from quantgate.formats.hf import config_to_hf
 from quantgate.formats.onnx_io import io_names
 from quantgate.fsio import atomic_dir, check_output
 from quantgate.layouts import DEFAULT_LAYOUT_FOR_GATE, LAYOUTS
-from quantgate.model import Model, attention_only
+from quantgate.model import Model
 
 from .onnx_gqa import build_gqa_graph
 
@@ -39,7 +40,8 @@ GRAPHS = ("standard", "gqa")
 
 
 class DecoderWithPast(nn.Module):
-    """(input_ids, attention_mask, position_ids, *past k/v) -> (logits, *present k/v), tensors only."""
+    """(input_ids, attention_mask, position_ids, *past) -> (logits, *present), tensors only; two cache tensors per
+    layer: k and v for attention, the conv and recurrent states for a hybrid's Gated DeltaNet layers."""
 
     def __init__(self, model: Model):
         super().__init__()
@@ -58,8 +60,26 @@ def example_inputs(cfg, batch: int = 2, seq: int = 3, past: int = 4) -> tuple:
     ids = torch.randint(3, cfg.vocab_size, (batch, seq))
     mask = torch.ones(batch, past + seq, dtype=torch.int64)
     pos = torch.arange(past, past + seq).expand(batch, seq).contiguous()
-    kv = [torch.randn(batch, cfg.n_kv_heads, past, cfg.head_dim) for _ in range(2 * cfg.n_layers)]
-    return (ids, mask, pos, *kv)
+    cache = []
+    for i in range(cfg.n_layers):
+        if cfg.layer_type(i) == "linear_attention":
+            cache += [torch.randn(batch, cfg.linear_conv_dim, cfg.linear_conv_kernel - 1),
+                      0.1 * torch.randn(batch, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim)]
+        else:
+            cache += [torch.randn(batch, cfg.n_kv_heads, past, cfg.head_dim) for _ in range(2)]
+    return (ids, mask, pos, *cache)
+
+
+def export_copy(model: Model) -> Model:
+    """The copy the exporter traces: q and gate in one MatMul per attention layer (qg_proj, as Qwen3-Next computes
+    them; q_proj/g_proj stay but are not traced) and every Gated DeltaNet's rule as one scan (an ONNX Scan)."""
+    m = copy.deepcopy(model).eval()
+    for layer in m.layers:
+        if layer.is_linear:
+            layer.linear_attn.export_form = True
+        else:
+            layer.self_attn.fuse_qg()
+    return m
 
 
 def trace_to_onnx(model: Model, path: Path, opset: int = 23, dtype: str = "fp32", graph_form: str = "standard") -> None:
@@ -74,17 +94,16 @@ def trace_to_onnx(model: Model, path: Path, opset: int = 23, dtype: str = "fp32"
         _save(graph, path, dtype)
         return
 
-    m = copy.deepcopy(model).eval()
-    for layer in m.layers:
-        layer.self_attn.fuse_qg()  # q_proj/g_proj stay but are not traced: only qg_proj is used
+    m = export_copy(model)
     cfg = m.cfg
     args = example_inputs(cfg)
     batch, seq, past = Dim("batch", min=1, max=1024), Dim("sequence_length", min=1, max=cfg.max_seq_len), \
         Dim("past_sequence_length", min=0, max=cfg.max_seq_len)
     total = Dim("total_sequence_length", min=1, max=2 * cfg.max_seq_len)
-    shapes = ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: seq},  # *past_flat is one nested entry:
-              tuple({0: batch, 2: past} for _ in range(2 * cfg.n_layers)))
-    names_in, names_out = io_names(cfg.n_layers)
+    cache = [d for i in range(cfg.n_layers) for d in  # GDN states have a fixed size: only the batch varies
+             ([{0: batch}] * 2 if cfg.layer_type(i) == "linear_attention" else [{0: batch, 2: past}] * 2)]
+    shapes = ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: seq}, tuple(cache))  # *past_flat: one entry
+    names_in, names_out = io_names(cfg.layer_types or cfg.n_layers)
     import logging
     import warnings
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # e.g. "torchvision is not installed"
@@ -129,7 +148,7 @@ def name_linear_weights(model) -> None:
         if n.op_type != "MatMul" or "pkg.torch.onnx.name_scopes" not in props:
             continue
         scopes = [x.strip(" '") for x in props["pkg.torch.onnx.name_scopes"].strip("[]").split(",")]
-        module = next((x for x in reversed(scopes) if x.endswith(("_proj", "lm_head"))), None)
+        module = next((x for x in reversed(scopes) if LINEAR_MODULE.search(x)), None)
         if module is None:
             continue
         n.name = f"{module}.MatMul"
@@ -141,6 +160,60 @@ def name_linear_weights(model) -> None:
         for n in model.graph.node:
             n.input[:] = [new if x == old else x for x in n.input]
     _own_norm_weights(model)
+    _own_gdn_decay(model)
+    _drop_unused_initializers(model)
+
+
+def _drop_unused_initializers(model) -> None:
+    """Initializers no node reads any more (the shared ones the two functions above replaced): ONNX Runtime would
+    warn about each one on every load."""
+    import onnx
+    used = {x for n in model.graph.node for x in n.input} | {o.name for o in model.graph.output}
+    for a in (a for n in model.graph.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH):
+        used |= {x for n in a.g.node for x in n.input}  # a Scan body reads outer initializers by name
+    keep = [t for t in model.graph.initializer if t.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)
+
+
+LINEAR_MODULE = re.compile(r"(_proj|\.in_proj_(qkv|z|a|b)|lm_head)$")  # a Linear's module name (GDN's in_proj_*)
+
+
+def _scopes(node) -> list[str]:
+    props = {p.key: p.value for p in node.metadata_props}
+    return [x.strip(" '") for x in props.get("pkg.torch.onnx.name_scopes", "").strip("[]").split(",")]
+
+
+def _own_gdn_decay(model) -> None:
+    """The exporter folds a Gated DeltaNet's -exp(A_log) into an anonymous constant, and shares one dt_bias between
+    layers whose values are equal (all ones at init); name them per layer, `<layer>.linear_attn.A` (its value
+    -exp(A_log)) and `<layer>.linear_attn.dt_bias`, so the reader finds every layer's parameters again."""
+    inits = {i.name: i for i in model.graph.initializer}
+    for n in model.graph.node:
+        module = next((x for x in reversed(_scopes(n)) if x.endswith(".linear_attn")), None)
+        if module is None or n.op_type not in ("Mul", "Add"):
+            continue
+        for k, x in enumerate(n.input):
+            t = inits.get(x)
+            if t is None or len(t.dims) != 1 or t.dims[0] < 1 or t.data_type not in (1, 10):
+                continue
+            if n.op_type == "Mul" and not x.startswith("model."):
+                _own_initializer(model, inits, n, k, f"{module}.A")
+            elif n.op_type == "Add" and x.endswith(".linear_attn.dt_bias"):
+                _own_initializer(model, inits, n, k, f"{module}.dt_bias")
+
+
+def _own_initializer(model, inits: dict, node, k: int, want: str) -> None:
+    """Point input k of `node` at an initializer named `want` (a copy of the one it reads, made once)."""
+    import copy as _copy
+    if node.input[k] == want:
+        return
+    if want not in inits:
+        t = _copy.deepcopy(inits[node.input[k]])
+        t.name = want
+        model.graph.initializer.append(t)
+        inits[want] = t
+    node.input[k] = want
 
 
 def _own_norm_weights(model) -> None:
@@ -170,7 +243,6 @@ def export_onnx(model: Model, tokenizer, out_dir: str | Path, opset: int = 23, g
                 dtype: str = "fp32", layout: str | None = None, source: str = "", inputs: tuple = ()) -> Path:
     """Write `out_dir` (atomically): model.onnx, config.json, tokenizer, generation_config.json, quantgate.json."""
     cfg = model.cfg
-    attention_only(cfg, "quantgate export onnx")
     if opset not in OPSETS:
         raise QuantgateError(f"unsupported --opset {opset}; choose from {', '.join(map(str, OPSETS))}")
     if graph not in GRAPHS:
@@ -182,7 +254,14 @@ def export_onnx(model: Model, tokenizer, out_dir: str | Path, opset: int = 23, g
                              "quantize the ONNX file with `quantgate quantize DIR/model.onnx --scheme ...`")
     out_dir = Path(out_dir)
     check_output(out_dir, "onnx", inputs)
-    lay = LAYOUTS[layout if layout in LAYOUTS else DEFAULT_LAYOUT_FOR_GATE[cfg.gate]]
+    if cfg.is_hybrid and graph == "gqa":
+        raise QuantgateError("--graph gqa is built for all-attention models; export a hybrid (Gated DeltaNet) model "
+                             "with --graph standard")
+    if cfg.is_hybrid and dtype == "fp16":
+        raise QuantgateError("--dtype fp16 is not available for hybrid (Gated DeltaNet) models: their recurrent state "
+                             "is kept in fp32; export fp32 and quantize it (int8, int4)")
+    default = "qwen3_5" if cfg.is_hybrid else DEFAULT_LAYOUT_FOR_GATE[cfg.gate]
+    lay = LAYOUTS[layout if layout in LAYOUTS and LAYOUTS[layout].cannot_hold(cfg) is None else default]
     with atomic_dir(out_dir, "onnx") as tmp:
         if graph == "gqa" and opset != 23:
             raise QuantgateError("--graph gqa is built at opset 23 (RMSNormalization); drop --opset 18")
@@ -200,7 +279,8 @@ def export_onnx(model: Model, tokenizer, out_dir: str | Path, opset: int = 23, g
         meta = {"quantgate_version": __version__, "format": "onnx", "opset": opset, "graph": graph, "dtype": dtype,
                 "gate": cfg.gate, "source": str(source), "source_layout": layout or "", "n_layers": cfg.n_layers,
                 "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
-                "bos_id": cfg.bos_id, "eos_id": cfg.eos_id, "quantization": None}
+                "bos_id": cfg.bos_id, "eos_id": cfg.eos_id, "quantization": None,
+                **({"layer_types": list(cfg.layer_types)} if cfg.is_hybrid else {})}
         (tmp / "quantgate.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out_dir
 

@@ -352,6 +352,24 @@ def gated_delta_chunked(q, k, v, g, beta, state, chunk: int = 64):
     return torch.cat(outs, dim=1), state
 
 
+def gated_delta_scan(q, k, v, g, beta, state):
+    """The token loop of gated_delta_recurrent as one `scan` over time (the export form: torch.onnx's dynamo
+    exporter turns it into an ONNX `Scan` with a dynamic length, which ONNX Runtime CPU runs; a Python loop would
+    be unrolled at the example's length). torch's scan is a private higher-order op (torch 2.5+); only the
+    exporter's copy of the model uses it."""
+    from torch._higher_order_ops.scan import scan
+
+    def step(S, x):
+        qt, kt, vt, gt, bt = x  # one token: [B, H, dk], [B, H, dk], [B, H, dv], [B, H], [B, H]
+        S = S * gt.exp()[..., None, None]
+        delta = bt[..., None] * (vt - (S * kt[..., None]).sum(-2))
+        S = S + kt[..., None] * delta[..., None, :]
+        return S, (S * qt[..., None]).sum(-2)
+
+    state, o = scan(step, state, tuple(x.transpose(0, 1) for x in (q, k, v, g, beta)))
+    return o.transpose(0, 1), state
+
+
 class GatedDeltaNet(nn.Module):
     """Qwen3.5's linear-attention mixer (HF `Qwen3_5GatedDeltaNet`, llama.cpp `qwen35` recurrent layers).
 
@@ -375,6 +393,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(Hv))
         self.norm = RMSNorm(dv, cfg.norm_eps)
         self.out_proj = nn.Linear(Hv * dv, cfg.dim, bias=False)
+        self.export_form = False  # the exporter's copy sets it: the rule as one scan (gated_delta_scan)
 
     def empty_state(self, batch: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
@@ -400,6 +419,7 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x).float())
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
         rule = gated_delta_recurrent if (T == 1 if recurrent is None else recurrent) else gated_delta_chunked
+        rule = gated_delta_scan if self.export_form else rule
         o, rec_state = rule(q, k, v, g, beta, rec_state.float())
         z = self.in_proj_z(x).view(B, T, Hv, dv)
         o = (self.norm(o.to(x.dtype)).float() * F.silu(z.float())).to(x.dtype)
@@ -528,8 +548,8 @@ def attention_only(cfg: ModelConfig, what: str) -> None:
     """Refuse a hybrid in the verbs that do not handle Gated DeltaNet layers yet (one line, before any work)."""
     if cfg.is_hybrid:
         raise QuantgateError(f"{what} does not handle hybrid (Gated DeltaNet) models yet; train, info, eval, generate, "
-                             f"analyze (with the gate-survival check), torch quantization and GGUF export (with "
-                             f"llama.cpp's quantize, eval and generate on it) do")
+                             f"analyze (with the gate-survival check), torch quantization, and GGUF and ONNX export (with "
+                             f"quantize, eval and generate on both) do")
 
 
 def build_model(cfg: ModelConfig, seed: int | None = 0) -> Model:

@@ -9,7 +9,8 @@
 
 MatMulNBits always gets accuracy_level=4 (int8 activations inside the kernel on CPU: without it, int4
 prefill is slower than fp32). `gate_bits=8` with int4 keeps the fused q|gate MatMul of every layer at 8
-bits. Static calibration feeds prefill windows and single-token decode steps on a cache, both drawn
+bits, and in a hybrid every Gated DeltaNet's output gate (in_proj_z) too; a GDN's in_proj_a/in_proj_b stay float
+in every scheme. Static calibration feeds prefill windows and single-token decode steps on a cache, both drawn
 from `calib_data` (QUInt8 activations: QInt8 gives an invalid model at opset 23).
 """
 from __future__ import annotations
@@ -36,9 +37,21 @@ SCHEMES = tuple(s.name for s in ONNX_SCHEMES if s.tool != "export" and s.keep is
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
+GATE_MATMULS = (".qg_proj.", ".linear_attn.in_proj_z.")  # the attention output gate (fused with q); the GDN's gate
+KEPT_FLOAT = (".linear_attn.in_proj_a.", ".linear_attn.in_proj_b.")  # per-head decay and beta inputs: [D, Hv]
+
+
 def gate_matmuls(model) -> list[str]:
-    """Names of the MatMul nodes of the fused q|gate projections (`...qg_proj.MatMul`), one per gated layer."""
-    return [n.name for n in model.graph.node if n.op_type == "MatMul" and ".qg_proj." in n.name]
+    """Names of the MatMul nodes that compute a gate: the fused q|gate projection of every gated attention layer
+    (`...qg_proj.MatMul`) and, in a hybrid, every Gated DeltaNet's output gate (`...linear_attn.in_proj_z.MatMul`)."""
+    return [n.name for n in model.graph.node if n.op_type == "MatMul" and any(g in n.name for g in GATE_MATMULS)]
+
+
+def kept_float_matmuls(model) -> list[str]:
+    """MatMuls every scheme leaves in float: a Gated DeltaNet's in_proj_a and in_proj_b (Hv outputs each, about
+    0.1% of the weights, and they set each head's decay and write strength; onnxruntime-genai's Qwen3.5 builder
+    keeps them dense, as llama.cpp's recipes keep ssm_alpha/ssm_beta at 8 bits or more)."""
+    return [n.name for n in model.graph.node if n.op_type == "MatMul" and any(k in n.name for k in KEPT_FLOAT)]
 
 
 class _Calibration:
@@ -87,9 +100,10 @@ def quantize_onnx(src: str | Path, out_dir: str | Path, scheme: str, gate_bits: 
         raise QuantgateError(f"{path} is already quantized ({meta['quantization']['scheme']}); start from the fp32 export")
     if meta.get("dtype") == "fp16":
         raise QuantgateError(f"{path} is an fp16 export; quantize the fp32 export")
-    gates = gate_matmuls(graph)
+    gates, kept = gate_matmuls(graph), kept_float_matmuls(graph)
     if gate_bits and not gates:
-        raise QuantgateError(f"{path} has no fused q|gate projection: --gate-bits applies to gated models")
+        raise QuantgateError(f"{path} has no gate projection (fused q|gate or a Gated DeltaNet's in_proj_z): "
+                             f"--gate-bits applies to gated models")
     out_dir = Path(out_dir)
     check_output(out_dir, "onnx", (model_dir, *data_paths(calib_data if scheme == "int8-static" else None)))
 
@@ -107,17 +121,17 @@ def quantize_onnx(src: str | Path, out_dir: str | Path, scheme: str, gate_bits: 
     for lg in loggers:
         lg.setLevel(logging.ERROR)
     try:
-        _run(path, out_dir, scheme, gate_bits, block_size, gates, windows, model_dir, meta)
+        _run(path, out_dir, scheme, gate_bits, block_size, gates, kept, windows, model_dir, meta)
     finally:
         for lg, lv in zip(loggers, levels):
             lg.setLevel(lv)
     size = (out_dir / "model.onnx").stat().st_size
     return {"src": str(path), "out": str(out_dir), "scheme": scheme, "gate_bits": gate_bits, "block_size": block_size,
-            "bytes": size, "src_bytes": path.stat().st_size, "gate_matmuls": len(gates)}
+            "bytes": size, "src_bytes": path.stat().st_size, "gate_matmuls": len(gates), "kept_float": kept}
 
 
-def _run(path: Path, out_dir: Path, scheme: str, gate_bits, block_size: int, gates: list[str], windows, model_dir: Path,
-         meta: dict) -> None:
+def _run(path: Path, out_dir: Path, scheme: str, gate_bits, block_size: int, gates: list[str], kept: list[str],
+         windows, model_dir: Path, meta: dict) -> None:
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_dynamic, quantize_static
 
@@ -126,23 +140,25 @@ def _run(path: Path, out_dir: Path, scheme: str, gate_bits, block_size: int, gat
         try:
             if scheme == "int8-dynamic":
                 quantize_dynamic(str(path), str(dst), op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8,
-                                 extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT})
+                                 nodes_to_exclude=kept, extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT})
             elif scheme == "int8-static":
                 with OrtRunner(path) as runner:
                     reader = _Calibration(runner, windows)
                 quantize_static(str(path), str(dst), reader, quant_format=QuantFormat.QDQ,
                                 activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True,
                                 op_types_to_quantize=["MatMul"], calibrate_method=CalibrationMethod.MinMax,
+                                nodes_to_exclude=kept,
                                 extra_options={"MatMulConstBOnly": True})
             elif scheme == "int8-weight":
-                _weight_only(path, dst, 8, block_size)
+                _weight_only(path, dst, 8, block_size, exclude=kept)
             else:
                 if gate_bits:
                     mid = Path(work) / "int4.onnx"
-                    _weight_only(path, mid, 4, block_size, exclude=gates)
-                    _weight_only(mid, dst, 8, block_size, include=gates)
+                    _weight_only(path, mid, 4, block_size, exclude=gates + kept)
+                    # nodes_to_include adds to what the quantizer takes (every float MatMul left), so exclude again
+                    _weight_only(mid, dst, 8, block_size, include=gates, exclude=kept)
                 else:
-                    _weight_only(path, dst, 4, block_size)
+                    _weight_only(path, dst, 4, block_size, exclude=kept)
         except (QuantgateError, OSError):
             raise
         except Exception as e:  # onnxruntime.quantization on a graph it cannot handle: one line, not its traceback

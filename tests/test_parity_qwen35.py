@@ -4,7 +4,8 @@ tied embeddings with as many value heads as key heads, and untied with twice as 
 
 Both directions: a stock random model saved by save_pretrained is read by our loader (logits within 1e-5 of the
 largest), and our hybrid twins saved by save_checkpoint are opened by stock transformers (the same bound, its own
-cache too). `quantgate eval`'s perplexity equals the one transformers' logits give under our convention."""
+cache too). `quantgate eval`'s perplexity equals the one transformers' logits give under our convention. Our ONNX
+export of each stock checkpoint runs in ONNX Runtime with transformers' logits (prefill, decode, a chunk)."""
 from __future__ import annotations
 
 import dataclasses
@@ -127,3 +128,35 @@ def test_eval_perplexity_equals_transformers_under_our_convention(ref):
     wins = np.load(d / "wins.npy")
     ppl = float(np.exp(token_nll(np.load(d / "wins.npz")["full"], wins).mean()))
     assert res["n_windows"] == 3 and abs(res["ppl"] - ppl) <= 1e-5 * ppl
+
+
+@pytest.fixture(scope="module")
+def onnx_exports(ref, tmp_path_factory):
+    """Our ONNX export of each stock text checkpoint (what `quantgate export onnx` writes for it)."""
+    from quantgate.export.onnx import export_checkpoint
+    d, _ = ref
+    out = tmp_path_factory.mktemp("tf5-onnx")
+    for shape in SHAPES:
+        export_checkpoint(d / f"{shape}-text", out / shape)
+    return out
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_onnx_export_of_a_stock_checkpoint_runs_in_onnx_runtime_with_transformers_logits(ref, onnx_exports, shape):
+    """ONNX Runtime on the export, against transformers 5 on the checkpoint: prefill from empty states, prefill(10)
+    then one token at a time, and prefill(10) + a chunk of 7 on the cache + the rest."""
+    from quantgate.runners import OrtRunner
+    d, _ = ref
+    logits = np.load(d / f"{shape}-text.npz")
+    with OrtRunner(onnx_exports / shape) as r:
+        assert rel_err(r.logits(IDS), logits["full"]) <= 1e-5
+        steps, (lg, past) = [], r.step(IDS[:, :10], r._empty_past(2), 0)
+        steps.append(lg)
+        for t in range(10, IDS.shape[1]):
+            lg, past = r.step(IDS[:, t:t + 1], past, t)
+            steps.append(lg)
+        assert rel_err(np.concatenate(steps, axis=1), logits["cached"]) <= 1e-5
+        lg0, past = r.step(IDS[:, :10], r._empty_past(2), 0)
+        lg1, past = r.step(IDS[:, 10:17], past, 10)
+        lg2, _ = r.step(IDS[:, 17:], past, 17)
+        assert rel_err(np.concatenate([lg0, lg1, lg2], axis=1), logits["full"]) <= 1e-5

@@ -158,8 +158,8 @@ def test_compiled_training_matches_eager(tmp_path):
 
 def test_hybrid_twins_train_save_as_qwen3_5_and_run(tmp_path):
     """`train --arch hybrid --twins`: both twins learn, are written in the qwen3_5 layout (the baseline as zero
-    gate rows, read back gate-free), eval and generate run on them, and a verb that does not take hybrids yet
-    says so in one line."""
+    gate rows, read back gate-free), eval and generate run on them, and an export option hybrids cannot take
+    (the hand-built GroupQueryAttention graph) is refused in one line."""
     r = run_cli("train", *TINY, "--arch", "hybrid", "--twins", "--steps", "30", "--lr", "3e-3",
                 "--out", str(tmp_path / "h"))
     assert r.returncode == 0, r.stderr[-2000:]
@@ -178,6 +178,6 @@ def test_hybrid_twins_train_save_as_qwen3_5_and_run(tmp_path):
     assert r.returncode == 0 and json.loads(r.stdout)["ppl"] > 1, r.stderr[-1500:]
     r = run_cli("generate", str(tmp_path / "h" / "gated"), "--prompt", "def", "--max-tokens", "5")
     assert r.returncode == 0, r.stderr[-1500:]
-    r = run_cli("export", "onnx", str(tmp_path / "h" / "gated"), "--out", str(tmp_path / "g-onnx"))
+    r = run_cli("export", "onnx", str(tmp_path / "h" / "gated"), "--graph", "gqa", "--out", str(tmp_path / "g-onnx"))
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "hybrid" in r.stderr
     assert not (tmp_path / "g-onnx").exists()

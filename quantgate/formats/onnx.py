@@ -8,6 +8,7 @@ hand: ORT has no public function that turns these back into a float matrix.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,9 @@ from ..model import Model
 from ..tokenizer import load_tokenizer
 from .hf import MAX_CONTEXT, HFFields, Loaded, check_fits_in_memory, config_from_hf
 from .onnx_io import check_graph, read_meta, resolve_onnx
+
+
+LINEAR_WEIGHT = re.compile(r"(_proj|\.in_proj_(qkv|z|a|b))\.weight$")  # Linear weights (the GDN's in_proj_* too)
 
 
 def _init(model, name: str):
@@ -112,8 +116,13 @@ def load_onnx_model(path):
             qg = read_linear(graph, module.rsplit(".", 1)[0] + ".qg_proj")
             q_rows = cfg.n_heads * cfg.head_dim
             w = qg[:q_rows] if name.endswith("q_proj.weight") else qg[q_rows:]
-        elif name.endswith("proj.weight"):
+        elif LINEAR_WEIGHT.search(name):
             w = read_linear(graph, module)
+        elif name.endswith("linear_attn.A_log"):  # the exporter folds A_log into A = -exp(A_log) (export.onnx)
+            a = _first_init(graph, f"model.{name[: -len('_log')]}")
+            if a is None:
+                raise QuantgateError(f"{onnx_path}: no initializer for {name[: -len('_log')]} (-exp(A_log))")
+            w = np.log(-np.asarray(a, dtype=np.float64))
         elif name == "lm_head.weight":
             w = _first_init(graph, "model.lm_head.weight")
             w = read_linear(graph, "model.lm_head") if w is None else w

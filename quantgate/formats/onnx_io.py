@@ -3,7 +3,10 @@ Runtime opens it: shared by the exporter (`quantgate.export.onnx`), the runner (
 reader that loads an export back into PyTorch (`quantgate.formats.onnx`).
 
 I/O names are optimum's: input_ids, attention_mask, position_ids, past_key_values.{i}.key/value in; logits and
-present.{i}.key/value out. Beside model.onnx lie config.json and quantgate.json (what was exported, how).
+present.{i}.key/value out. A hybrid's Gated DeltaNet layers have no KV cache; each carries its two states instead,
+named as onnxruntime-genai's Qwen3.5 builder names them: past.conv.{i} [B, conv_dim, K-1] (the last K-1 inputs of
+the short conv) and past.recurrent.{i} [B, Hv, dk, dv] fp32, with present.conv.{i} / present.recurrent.{i} out.
+Beside model.onnx lie config.json and quantgate.json (what was exported, how).
 """
 from __future__ import annotations
 
@@ -16,11 +19,46 @@ from ..errors import QuantgateError
 from ..fsio import read_json
 
 
-def io_names(n_layers: int) -> tuple[list[str], list[str]]:
-    """(inputs, outputs) of a decoder with `n_layers` KV caches, in graph order."""
-    past = [f"past_key_values.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
-    present = [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+def cache_names(i: int, layer_type: str = FULL) -> tuple[list[str], list[str]]:
+    """(past inputs, present outputs) of layer i: k and v for attention, conv and recurrent state for GDN."""
+    if layer_type == LINEAR:
+        return [f"past.conv.{i}", f"past.recurrent.{i}"], [f"present.conv.{i}", f"present.recurrent.{i}"]
+    return [f"past_key_values.{i}.{kv}" for kv in ("key", "value")], [f"present.{i}.{kv}" for kv in ("key", "value")]
+
+
+def io_names(layers: int | tuple | list) -> tuple[list[str], list[str]]:
+    """(inputs, outputs) of a decoder, in graph order: `layers` is a layer count (all attention) or the
+    per-layer types (ModelConfig.layer_types)."""
+    types = [FULL] * layers if isinstance(layers, int) else list(layers)
+    past, present = [], []
+    for i, t in enumerate(types):
+        p, q = cache_names(i, t)
+        past += p
+        present += q
     return ["input_ids", "attention_mask", "position_ids", *past], ["logits", *present]
+
+
+def past_name(present: str) -> str:
+    """The input a present output is fed back to on the next step."""
+    return present.replace("present.", "past." if present.startswith(("present.conv.", "present.recurrent."))
+                           else "past_key_values.", 1)
+
+
+def layer_types_of(inputs: list[str]) -> list[str]:
+    """Per-layer types read off a graph's cache input names (empty where they follow no quantgate pattern)."""
+    types: dict[int, str] = {}
+    for n in inputs[3:]:
+        parts = n.split(".")
+        if n.startswith("past_key_values.") and len(parts) == 3 and parts[1].isdigit():
+            types.setdefault(int(parts[1]), FULL)
+        elif n.startswith(("past.conv.", "past.recurrent.")) and len(parts) == 3 and parts[2].isdigit():
+            types.setdefault(int(parts[2]), LINEAR)
+        else:
+            return []
+    return [types[i] for i in range(len(types))] if sorted(types) == list(range(len(types))) else []
 
 
 def resolve_onnx(path: str | Path) -> tuple[Path, Path]:
@@ -80,14 +118,15 @@ def check_graph(path: Path):
         raise QuantgateError(f"{path}: corrupt or truncated ONNX file ({type(e).__name__})") from None
     inputs = [i.name for i in model.graph.input]
     outputs = [o.name for o in model.graph.output]
-    n_layers = sum(1 for n in inputs if n.startswith("past_key_values.")) // 2
-    want_in, want_out = io_names(n_layers)
-    if n_layers == 0 or inputs != want_in or outputs != want_out:
+    types = layer_types_of(inputs)
+    want_in, want_out = io_names(types)
+    if not types or FULL not in types or inputs != want_in or outputs != want_out:
         raise QuantgateError(f"{path}: the graph's inputs/outputs ({', '.join(inputs[:4])}...) do not match a "
-                             f"quantgate decoder (input_ids, attention_mask, position_ids, past_key_values.N.key/value)")
+                             f"quantgate decoder (input_ids, attention_mask, position_ids, past_key_values.N.key/value"
+                             f" and, for Gated DeltaNet layers, past.conv.N/past.recurrent.N)")
     _check_io_types(path, model)
     _check_external_data(path, model)
-    return model, n_layers
+    return model, types
 
 
 INT64, FLOATS = 7, (1, 10)  # onnx.TensorProto element types: int64; float32, float16
@@ -97,12 +136,16 @@ def _check_io_types(path: Path, model) -> None:
     for v in list(model.graph.input) + list(model.graph.output):
         t = v.type.tensor_type
         want = (INT64,) if v.name in ("input_ids", "attention_mask", "position_ids") else FLOATS
-        rank = 3 if v.name == "logits" else 4 if "key" in v.name or "value" in v.name else 2
+        conv, rec = ".conv." in v.name, ".recurrent." in v.name
+        rank = 3 if v.name == "logits" or conv else 4 if "key" in v.name or "value" in v.name or rec else 2
         if t.elem_type not in want or len(t.shape.dim) != rank:
             raise QuantgateError(f"{path}: {v.name} has element type {t.elem_type} and rank {len(t.shape.dim)}; a "
                                  f"quantgate decoder has {'int64' if want == (INT64,) else 'float'} of rank {rank}")
-        if rank == 4 and not (t.shape.dim[1].dim_value > 0 and t.shape.dim[3].dim_value > 0):
-            raise QuantgateError(f"{path}: {v.name} does not state its KV heads and head size (dims 1 and 3)")
+        fixed = (1, 2) if conv else (1, 2, 3) if rec else (1, 3) if rank == 4 else ()
+        if not all(t.shape.dim[d].dim_value > 0 for d in fixed):
+            what = "its channels and conv width" if conv else "its heads and state size" if rec else \
+                "its KV heads and head size"
+            raise QuantgateError(f"{path}: {v.name} does not state {what} (dims {', '.join(map(str, fixed))})")
 
 
 def _check_external_data(path: Path, model) -> None:

@@ -13,6 +13,9 @@ same tensors on every backend:
 | `gate`       | the gate rows W_g only                           | `g_proj`          | not expressible (*)   | not expressible (*) |
 | `q_and_gate` | the whole q|gate projection (q rows and W_g rows) | `q_proj`+`g_proj` | the fused `qg_proj` MatMul | `attn_q` |
 
+In a hybrid, `q_and_gate` also keeps every Gated DeltaNet's output gate (`in_proj_z`; llama.cpp `attn_gate`) on
+onnxruntime and llama.cpp.
+
 (*) the exports fuse q and gate rows into one tensor (one MatMul; qwen35's `attn_q`), so a backend quantizing
 that tensor can keep both rows or neither. The names are the ones each backend had before this registry
 (kept for the CLI and saved checkpoints): torch `-gate8` is the gate rows only, torch `-qgate8`, ONNX
@@ -27,7 +30,8 @@ from ..errors import QuantgateError
 
 SCOPES = {  # scope -> the tensors it keeps, in words (the same on every backend that can express it)
     "gate": "the gate rows W_g only",
-    "q_and_gate": "the whole q|gate projection (q rows and gate rows)",
+    "q_and_gate": "the whole q|gate projection (q rows and gate rows); in a hybrid also every Gated DeltaNet's "
+                  "output-gate projection (in_proj_z)",
 }
 
 

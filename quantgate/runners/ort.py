@@ -15,7 +15,7 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import QuantgateError
-from ..formats.onnx_io import check_graph, read_meta, resolve_onnx
+from ..formats.onnx_io import FULL, check_graph, past_name, read_meta, resolve_onnx
 from ..sampling import Done, NonFiniteLogits, Sampler, Token, stream
 from .bench import bench
 from .device import cuda_index
@@ -34,16 +34,23 @@ class OrtRunner:
         check_kv_bits(kv_bits)
 
         self.path, self.dir = resolve_onnx(path)
-        graph, self.n_layers = check_graph(self.path)
-        past = next(i for i in graph.graph.input if i.name == "past_key_values.0.key")
+        graph, self.layer_types = check_graph(self.path)
+        self.n_layers = len(self.layer_types)
+        self.attention_layers = [i for i, t in enumerate(self.layer_types) if t == FULL]
+        past = next(i for i in graph.graph.input if i.name == f"past_key_values.{self.attention_layers[0]}.key")
         dims = past.type.tensor_type.shape.dim
         self.n_kv_heads, self.head_dim = int(dims[1].dim_value), int(dims[3].dim_value)
         self.kv_dtype = np.float16 if past.type.tensor_type.elem_type == 10 else np.float32
+        # every cache input's shape without its batch: dynamic dims (the cached length) start at 0; GDN states
+        # (conv [C, K-1], recurrent [Hv, dk, dv]) are fixed-size and start at zeros
+        self._cache_specs = {i.name: ([d.dim_value for d in i.type.tensor_type.shape.dim][1:],
+                                      np.float16 if i.type.tensor_type.elem_type == 10 else np.float32)
+                             for i in graph.graph.input[3:]}
         logits = graph.graph.output[0].type.tensor_type.shape.dim
         self.vocab_size = int(logits[2].dim_value) if logits[2].dim_value else read_meta(self.dir).get("vocab_size")
         load_from, tmp = str(self.path), None
         if kv_bits is not None:
-            model = with_quantized_cache(graph, self.path, self.n_layers, kv_bits, self.kv_dtype)
+            model = with_quantized_cache(graph, self.path, self.attention_layers, kv_bits, self.kv_dtype)
             graph_file, tmp = staged(model, self.path)
             load_from = str(graph_file)
         del graph
@@ -72,11 +79,11 @@ class OrtRunner:
         self.out_names = [o.name for o in self.session.get_outputs()]
 
     def _empty_past(self, batch: int) -> dict:
-        z = np.zeros((batch, self.n_kv_heads, 0, self.head_dim), dtype=self.kv_dtype)
+        past = {name: np.zeros((batch, *shape), dtype=dtype) for name, (shape, dtype) in self._cache_specs.items()}
         if self.cuda is not None:
             import onnxruntime as ort
-            z = ort.OrtValue.ortvalue_from_numpy(z, "cuda", self.cuda)
-        return {f"past_key_values.{i}.{kv}": z for i in range(self.n_layers) for kv in ("key", "value")}
+            past = {k: ort.OrtValue.ortvalue_from_numpy(z, "cuda", self.cuda) for k, z in past.items()}
+        return past
 
     def step(self, ids: np.ndarray, past: dict, start: int) -> tuple[np.ndarray, dict]:
         """Run ids [B, T] after `start` cached positions; returns (logits [B, T, V] fp32, next past)."""
@@ -90,7 +97,7 @@ class OrtRunner:
         except Exception as e:  # e.g. GroupQueryAttention's limits (several new tokens on a cache need batch 1)
             msg = (str(e).split("Status Message:")[-1].strip().splitlines() or [type(e).__name__])[0][:200]
             raise QuantgateError(f"{self.path}: ONNX Runtime failed: {msg}") from None
-        present = {n.replace("present.", "past_key_values."): v for n, v in zip(self.out_names[1:], outs[1:])}
+        present = {past_name(n): v for n, v in zip(self.out_names[1:], outs[1:])}
         return outs[0].astype(np.float32), present
 
     def _step_bound(self, feed: dict) -> tuple[np.ndarray, dict]:
@@ -107,7 +114,7 @@ class OrtRunner:
             io.bind_output(n, "cuda", self.cuda)
         self.session.run_with_iobinding(io)
         outs = io.get_outputs()
-        present = {n.replace("present.", "past_key_values."): v for n, v in zip(self.out_names[1:], outs[1:])}
+        present = {past_name(n): v for n, v in zip(self.out_names[1:], outs[1:])}
         return outs[0].numpy().astype(np.float32), present
 
     def logits(self, windows: np.ndarray) -> np.ndarray:
