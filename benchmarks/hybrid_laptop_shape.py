@@ -4,9 +4,9 @@ what the GGUF path costs at a real model's shape.
 Shape (QWEN35.md section 1.2): d 1024, 24 layers (18 Gated DeltaNet, every fourth full attention), 8 heads x 256
 with 2 KV heads and partial rotary 64, GDN 16 key / 16 value heads of 128, ffn 3584, vocab 248,320, tied
 embeddings, rope theta 1e7. Measures: save (safetensors), F32 GGUF export and llama.cpp Q4_K_M quantization times;
-peak RSS of `quantgate analyze` (4 windows of 256, a child process); llama.cpp Q4_K_M prefill 128 / decode 64
-tokens/s at 2 threads (the runners' bench protocol: one warm-up, then median of rounds). ONNX Runtime is not
-measured: hybrids do not export to ONNX yet.
+peak RSS of `quantgate analyze` (4 windows of 256, a child process); the fp32 ONNX export (a child process: its time
+and peak RSS) and its onnxruntime int4 quantization (MatMulNBits, block 32); llama.cpp Q4_K_M and ONNX Runtime int4
+prefill 128 / decode 64 tokens/s at 2 threads (the runners' bench protocol: one warm-up, then median of rounds).
 
     python benchmarks/hybrid_laptop_shape.py [--threads 2] [--rounds 3]
 """
@@ -24,10 +24,20 @@ from pathlib import Path
 
 from quantgate.export.gguf import export_checkpoint
 from quantgate.formats import inspect_gguf, save_checkpoint
+from quantgate.formats.onnx_io import onnx_bytes
 from quantgate.gguf_quantize import quantize_gguf
 from quantgate.model import ModelConfig, build_model, hybrid
-from quantgate.runners import LlamaRunner
+from quantgate.onnx_quantize import quantize_onnx
+from quantgate.runners import LlamaRunner, OrtRunner
 from quantgate.tokenizer import byte_tokenizer
+
+EXPORT_ONNX = """
+import resource, sys, time
+from quantgate.export.onnx import export_checkpoint
+t = time.perf_counter()
+export_checkpoint(sys.argv[1], sys.argv[2])
+print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
 
 ANALYZE = """
 import resource, sys
@@ -77,6 +87,22 @@ def run(work: Path, args) -> None:
     ids = list(range(3, 3 + 192))
     with LlamaRunner(work / "m-Q4_K_M.gguf", n_ctx=256, kv_type="f16", threads=args.threads, logits_all=False) as run:
         speed = run.bench(ids[:128], ids[128:], repeats=args.rounds, warmup=1)
+    r2 = subprocess.run([sys.executable, "-c", EXPORT_ONNX, str(work / "m"), str(work / "onnx")], capture_output=True,
+                        text=True, cwd="/", env={"QUANTGATE_PROGRESS": "0", "PATH": "/usr/bin:/bin"})
+    onnx = {"error": r2.stderr[-300:]} if r2.returncode else {}
+    if r2.returncode == 0:
+        secs, rss = r2.stdout.strip().splitlines()[-1].split()
+        times["export_fp32_onnx_s"] = float(secs)
+        t = time.perf_counter()
+        quantize_onnx(work / "onnx", work / "onnx-int4", "int4")
+        times["quantize_onnx_int4_s"] = time.perf_counter() - t
+        with OrtRunner(work / "onnx-int4", threads=args.threads) as ort_run:
+            ort_speed = ort_run.bench(ids[:128], ids[128:], repeats=args.rounds, warmup=1)
+        onnx = {"export_peak_rss_bytes": int(rss) * 1024, "fp32_bytes": onnx_bytes(work / "onnx"),
+                "int4_bytes": onnx_bytes(work / "onnx-int4"),
+                "int4_bits_per_weight": round(8 * onnx_bytes(work / "onnx-int4") / n_params, 3),
+                "prefill_tps": ort_speed["prefill_tps"], "decode_tps": ort_speed["decode_tps"], "rounds": args.rounds,
+                "prompt_tokens": 128, "decode_tokens": 64}
     info = inspect_gguf(work / "m-Q4_K_M.gguf")
     result = {
         "command": f"python benchmarks/hybrid_laptop_shape.py --threads {args.threads} --rounds {args.rounds}",
@@ -87,9 +113,10 @@ def run(work: Path, args) -> None:
         "q4_k_m": {"bytes": info.n_bytes, "bits_per_weight": round(info.bits_per_weight, 3),
                    "prefill_tps": speed["prefill_tps"], "decode_tps": speed["decode_tps"], "rounds": args.rounds,
                    "kv_type": "f16", "prompt_tokens": 128, "decode_tokens": 64},
+        "onnx_int4": onnx,
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result["times"]), result["q4_k_m"], peak_analyze)
+    print(json.dumps(result["times"]), result["q4_k_m"], result["onnx_int4"], peak_analyze)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -25,7 +27,7 @@ from quantgate import __version__
 from quantgate.errors import QuantgateError
 from quantgate.formats import load_checkpoint
 from quantgate.formats.hf import config_to_hf
-from quantgate.formats.onnx_io import io_names
+from quantgate.formats.onnx_io import INLINE_LIMIT, io_names, onnx_bytes, save_onnx, weight_bytes
 from quantgate.fsio import atomic_dir, check_output
 from quantgate.layouts import DEFAULT_LAYOUT_FOR_GATE, LAYOUTS
 from quantgate.model import Model
@@ -112,22 +114,27 @@ def trace_to_onnx(model: Model, path: Path, opset: int = 23, dtype: str = "fp32"
         prog = torch.onnx.export(DecoderWithPast(m), args, dynamo=True, opset_version=opset,
                                  input_names=names_in, output_names=names_out, dynamic_shapes=shapes,
                                  optimize=True, verbose=False)
-    prog.save(str(path))
-    graph = onnx.load(str(path))
+    traced = Path(tempfile.mkdtemp(prefix="traced-", dir=path.parent))  # the exporter's own file (and its data)
+    try:
+        prog.save(str(traced / path.name))
+        del prog
+        graph = onnx.load(str(traced / path.name))
+    finally:
+        shutil.rmtree(traced, ignore_errors=True)
     name_linear_weights(graph)
-    onnx.checker.check_model(graph)
+    if weight_bytes(graph) <= INLINE_LIMIT:  # the checker serializes the whole graph: only below protobuf's limit
+        onnx.checker.check_model(graph)
     _save(graph, path, dtype)
 
 
 def _save(graph, path: Path, dtype: str) -> None:
-    import onnx
     if dtype == "fp16":
         # ORT's converter (weights and compute in fp16; inputs, outputs and the KV cache stay fp32, as
         # optimum's fp16 exports do). Tracing a half-precision module instead leaves fp32 rope constants
         # that ORT refuses to multiply with fp16 tensors.
         from onnxruntime.transformers.float16 import convert_float_to_float16
         graph = convert_float_to_float16(graph, keep_io_types=True)  # its node order upsets the checker, not ORT
-    onnx.save(graph, str(path))
+    save_onnx(graph, path)
 
 
 def name_linear_weights(model) -> None:
@@ -292,6 +299,6 @@ def export_checkpoint(model_path: str | Path, out_dir: str | Path, opset: int = 
     loaded = load_checkpoint(model_path)
     export_onnx(loaded.model, loaded.tokenizer, out_dir, opset, graph, dtype, layout=loaded.layout,
                 source=str(model_path), inputs=(model_path,))
-    size = (Path(out_dir) / "model.onnx").stat().st_size
+    size = onnx_bytes(Path(out_dir))
     return {"model": str(model_path), "out": str(out_dir), "gate": loaded.model.cfg.gate, "opset": opset,
             "graph": graph, "dtype": dtype, "bytes": size}

@@ -21,7 +21,7 @@ from .errors import QuantgateError
 from .formats import artifact_kind, load_checkpoint
 from .formats.gguf import check_finite_weights, inspect_gguf, open_reader, tokenizer_from_gguf
 from .formats.onnx import check_finite_initializers, onnx_context
-from .formats.onnx_io import read_meta, resolve_onnx
+from .formats.onnx_io import onnx_bytes, read_meta, resolve_onnx
 from .fsio import atomic_file
 from .identity import code_id, content_id, key
 from .metrics import kld_summary, layer_sqnr, position_kld, token_nll, top1_match
@@ -134,7 +134,7 @@ def open_model(model_path: str, device: str = "cpu", torchao: str | None = None,
             raise QuantgateError(f"{model_dir}/tokenizer.json has {tok.vocab_size} tokens but the graph's logits have "
                                  f"only {runner.vocab_size} (tokenizer/vocab mismatch)")
         scheme = (meta.get("quantization") or {}).get("scheme") or meta.get("dtype", "fp32")
-        return runner, tok, f"onnxruntime:{scheme}", {"onnx_bytes": runner.path.stat().st_size,
+        return runner, tok, f"onnxruntime:{scheme}", {"onnx_bytes": onnx_bytes(model_dir),
                                                       **_kv_record(kv_type)}
     kv_bits = kv_bits_for(kv_type, "PyTorch")
     loaded = load_checkpoint(model_path)

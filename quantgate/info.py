@@ -5,6 +5,17 @@ from .formats import artifact_kind, inspect_gguf, load_checkpoint
 from .quant.simulate import block_bits_per_weight
 
 
+def cache_bytes(cfg) -> dict:
+    """What a sequence holds while generating: an fp16 KV cache on the full-attention layers (per token), and a
+    hybrid's Gated DeltaNet layers' fixed fp32 state (recurrent [Hv, dk, dv] and conv [C, K-1]), whatever the
+    length."""
+    n_lin = (cfg.layer_types or ()).count("linear_attention")
+    state = 4 * n_lin * (cfg.linear_value_heads * cfg.linear_key_dim * cfg.linear_value_dim
+                         + cfg.linear_conv_dim * (cfg.linear_conv_kernel - 1)) if n_lin else 0
+    return {"kv_cache_bytes_per_token": 2 * 2 * cfg.n_kv_heads * cfg.head_dim * (cfg.n_layers - n_lin),
+            "recurrent_state_bytes": state}
+
+
 def model_info(path: str) -> dict:
     loaded = load_checkpoint(path)
     cfg = loaded.model.cfg
@@ -26,11 +37,7 @@ def model_info(path: str) -> dict:
                   "gated_deltanet": {"key_heads": cfg.linear_key_heads, "value_heads": cfg.linear_value_heads,
                                      "key_dim": cfg.linear_key_dim, "value_dim": cfg.linear_value_dim,
                                      "conv_kernel": cfg.linear_conv_kernel},
-                  # what a sequence holds while generating: fp16 KV cache on the full-attention layers only, and the
-                  # GDN layers' fixed fp32 state (recurrent [Hv, dk, dv] and conv [C, K-1]), whatever the length
-                  "kv_cache_bytes_per_token": 2 * 2 * cfg.n_kv_heads * cfg.head_dim * (cfg.n_layers - n_lin),
-                  "recurrent_state_bytes": 4 * n_lin * (cfg.linear_value_heads * cfg.linear_key_dim * cfg.linear_value_dim
-                                                        + cfg.linear_conv_dim * (cfg.linear_conv_kernel - 1))}
+                  **cache_bytes(cfg)}
     skipped = cfg.extra.get("skipped_tensors")
     if skipped:
         hybrid["not_read"] = ", ".join(f"{part} ({n} tensors)" for part, n in sorted(skipped.items()))

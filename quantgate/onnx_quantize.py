@@ -26,7 +26,7 @@ import numpy as np
 from .calib_data import calibration_windows, check_ctx, data_paths
 from .errors import QuantgateError
 from .formats.onnx import onnx_context
-from .formats.onnx_io import check_graph, read_meta, resolve_onnx
+from .formats.onnx_io import INLINE_LIMIT, check_graph, onnx_bytes, read_meta, resolve_onnx, save_onnx
 from .fsio import atomic_dir, check_output
 from .quant.schemes import ONNX_SCHEMES, with_gate_bits
 from .runners import OrtRunner
@@ -81,7 +81,7 @@ def _weight_only(src: Path, dst: Path, bits: int, block_size: int, include=None,
     q = MatMulNBitsQuantizer(onnx.load(str(src)), bits=bits, block_size=block_size, is_symmetric=True,
                              accuracy_level=4, nodes_to_include=include, nodes_to_exclude=exclude or [])
     q.process()
-    onnx.save(q.model.model, str(dst))
+    save_onnx(q.model.model, dst)
 
 
 def quantize_onnx(src: str | Path, out_dir: str | Path, scheme: str, gate_bits: int | None = None,
@@ -125,9 +125,9 @@ def quantize_onnx(src: str | Path, out_dir: str | Path, scheme: str, gate_bits: 
     finally:
         for lg, lv in zip(loggers, levels):
             lg.setLevel(lv)
-    size = (out_dir / "model.onnx").stat().st_size
+    size = onnx_bytes(out_dir)
     return {"src": str(path), "out": str(out_dir), "scheme": scheme, "gate_bits": gate_bits, "block_size": block_size,
-            "bytes": size, "src_bytes": path.stat().st_size, "gate_matmuls": len(gates), "kept_float": kept}
+            "bytes": size, "src_bytes": onnx_bytes(model_dir), "gate_matmuls": len(gates), "kept_float": kept}
 
 
 def _run(path: Path, out_dir: Path, scheme: str, gate_bits, block_size: int, gates: list[str], kept: list[str],
@@ -137,17 +137,19 @@ def _run(path: Path, out_dir: Path, scheme: str, gate_bits, block_size: int, gat
 
     with atomic_dir(out_dir, "onnx") as tmp, tempfile.TemporaryDirectory() as work:
         dst = tmp / "model.onnx"
+        big = onnx_bytes(model_dir) > INLINE_LIMIT
         try:
             if scheme == "int8-dynamic":
                 quantize_dynamic(str(path), str(dst), op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8,
-                                 nodes_to_exclude=kept, extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT})
+                                 nodes_to_exclude=kept, use_external_data_format=big,
+                                 extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT})
             elif scheme == "int8-static":
                 with OrtRunner(path) as runner:
                     reader = _Calibration(runner, windows)
                 quantize_static(str(path), str(dst), reader, quant_format=QuantFormat.QDQ,
                                 activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True,
                                 op_types_to_quantize=["MatMul"], calibrate_method=CalibrationMethod.MinMax,
-                                nodes_to_exclude=kept,
+                                nodes_to_exclude=kept, use_external_data_format=big,
                                 extra_options={"MatMulConstBOnly": True})
             elif scheme == "int8-weight":
                 _weight_only(path, dst, 8, block_size, exclude=kept)

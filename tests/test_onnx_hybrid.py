@@ -146,3 +146,29 @@ def test_hybrid_export_options_it_cannot_honour_are_refused(exported, tmp_path):
             export_onnx(models["gated"], byte_tokenizer(), tmp_path / "x", **opts)
         assert not (tmp_path / "x").exists()
     assert dir_snapshot(d) == before
+
+
+def test_weights_over_the_inline_limit_go_to_one_external_data_file(tmp_path, monkeypatch):
+    """A real hybrid (Qwen3.5-0.8B: 3 GB of fp32) is over protobuf's 2 GiB: export and quantizers write the weights to
+    model.onnx.data beside the graph. Shown with the limit lowered to 1 KiB."""
+    import quantgate.export.onnx as exporter
+    import quantgate.formats.onnx_io as onnx_io
+    import quantgate.onnx_quantize as onnx_quantize
+    from quantgate.model import build_model
+    from quantgate.onnx_quantize import quantize_onnx
+    for mod in (exporter, onnx_io, onnx_quantize):
+        monkeypatch.setattr(mod, "INLINE_LIMIT", 1024)
+    m = build_model(preset("tiny", vocab_size=300, gate="elementwise"), seed=0).eval()
+    randomize_(m)
+    summary = export_onnx(m, byte_tokenizer(), tmp_path / "onnx")
+    assert summary == tmp_path / "onnx" and (tmp_path / "onnx" / "model.onnx.data").is_file()
+    assert onnx_io.onnx_bytes(tmp_path / "onnx") > (tmp_path / "onnx" / "model.onnx").stat().st_size
+    with torch.no_grad():
+        ref = m(torch.as_tensor(W)).logits.numpy()
+    res = quantize_onnx(tmp_path / "onnx", tmp_path / "int4", "int4")
+    assert (tmp_path / "int4" / "model.onnx.data").is_file() and res["bytes"] == onnx_io.onnx_bytes(tmp_path / "int4")
+    with OrtRunner(tmp_path / "onnx") as r, OrtRunner(tmp_path / "int4") as q:
+        assert rel_err(r.logits(W), ref) <= 1e-5
+        assert 0 < position_kld(ref, q.logits(W)).mean() < 0.1
+    assert sorted(p.name for p in (tmp_path / "onnx").iterdir() if p.name.startswith(("model", "traced"))) == \
+        ["model.onnx", "model.onnx.data"]  # the tracer's own file went with its folder

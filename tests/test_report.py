@@ -87,6 +87,7 @@ def test_report_resumes_from_finished_cells(report_run):
     assert recomputed == {"gguf gated Q4_0"} and cell.is_file()
 
 
+@pytest.mark.slow  # 66 s: three report runs
 def test_report_artifacts_are_keyed_by_what_made_them(cli_server, tmp_path):
     """Artifacts are rebuilt exactly when what produced them changed: the model's contents, the data's contents
     (same path) or the calibration settings; unchanged inputs reuse every artifact and cell."""

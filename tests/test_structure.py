@@ -171,9 +171,9 @@ REPORT_MAY_USE = {
     "quantgate.evaluate": {"evaluate_model"},                                # quantgate eval
     "quantgate.analyze": {"analyze", "plot_reports", "save_figure"},         # quantgate analyze
     "quantgate.gate_survival": {"check_gate_survival"},                      # quantgate analyze --reference
-    "quantgate.info": {"model_info"},                                        # quantgate info
-    "quantgate.model": {"attention_only"},                                   # verbs not yet for hybrids
+    "quantgate.info": {"model_info", "cache_bytes"},                         # quantgate info
     "quantgate.formats": {"inspect_gguf", "load_checkpoint"},
+    "quantgate.formats.onnx_io": {"onnx_bytes"},                             # an export's size on disk
     "quantgate.runners": {"LlamaRunner", "OrtRunner", "TorchRunner"},
     "quantgate.runners.bench": {"bench"},
 }

@@ -371,7 +371,8 @@ def load_gguf_model(path: str | Path):
     except ValueError as e:
         raise QuantgateError(f"{path}: {e}") from None
     check_fits_in_memory(cfg, str(path))
-    model = Model(cfg)
+    with torch.device("meta"):  # the tensors read below are assigned to it: the weights are held once
+        model = Model(cfg)
     sd = {}
     for ours, theirs in GLOBAL_TENSORS.items():
         if theirs in names:
@@ -401,10 +402,12 @@ def load_gguf_model(path: str | Path):
                                  f"{tuple(expected[k].shape) if k in expected else 'none'}")
         if not torch.isfinite(t).all():
             raise QuantgateError(f"{path}: tensor for {k} holds NaN or Inf values")
-        sd[k] = t
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+        sd[k] = t.to(torch.float32, copy=True)  # its own memory: a view of the file must not become a parameter
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
     if missing:
         raise QuantgateError(f"{path}: tensors missing for {missing[0]} (+{len(missing) - 1} more)")
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
     model.eval()
     return Loaded(model, tok, f"gguf:{arch}", Path(path))

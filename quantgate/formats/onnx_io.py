@@ -61,6 +61,30 @@ def layer_types_of(inputs: list[str]) -> list[str]:
     return [types[i] for i in range(len(types))] if sorted(types) == list(range(len(types))) else []
 
 
+EXTERNAL_DATA = "model.onnx.data"
+INLINE_LIMIT = 1 << 30  # protobuf cannot serialize a message over 2 GiB: larger weights go to EXTERNAL_DATA
+
+
+def weight_bytes(model: onnx.ModelProto) -> int:
+    return sum(len(t.raw_data) for t in model.graph.initializer)
+
+
+def save_onnx(model: onnx.ModelProto, path: Path) -> None:
+    """Save a graph as model.onnx, with its weights in one `model.onnx.data` beside it when they are over 1 GiB (a
+    Qwen3.5-0.8B export holds 3 GB; protobuf stops at 2 GiB). onnx appends to an existing data file, so the caller
+    writes into a fresh folder."""
+    if weight_bytes(model) > INLINE_LIMIT:
+        onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=EXTERNAL_DATA,
+                  size_threshold=1024)
+    else:
+        onnx.save(model, str(path))
+
+
+def onnx_bytes(folder: Path) -> int:
+    """Size of an export's graph and weights: model.onnx plus its external data, if any."""
+    return sum(f.stat().st_size for f in Path(folder).iterdir() if f.name in ("model.onnx", EXTERNAL_DATA))
+
+
 def resolve_onnx(path: str | Path) -> tuple[Path, Path]:
     """(model.onnx, its directory) for a directory or a .onnx path."""
     p = Path(path)

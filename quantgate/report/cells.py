@@ -12,6 +12,7 @@ from ..evaluate import evaluate_model
 from ..export.gguf import export_checkpoint as export_gguf
 from ..export.onnx import export_checkpoint as export_onnx
 from ..formats import inspect_gguf, load_checkpoint
+from ..formats.onnx_io import onnx_bytes
 from ..fsio import interrupts, write_json
 from ..gate_survival import check_gate_survival
 from ..identity import key as ident_key
@@ -114,7 +115,7 @@ def onnx_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, sc
     with OrtRunner(art, threads=s.threads) as r:
         speed = _speed(r, ids)
     n = load_checkpoint(src).model.num_params()
-    size = (art / "model.onnx").stat().st_size
+    size = onnx_bytes(art)
     return {**_metrics(ev), "bytes": size, "bits_per_weight": 8 * size / n, **speed, "artifact": str(art)}
 
 

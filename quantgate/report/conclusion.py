@@ -32,10 +32,12 @@ def sqnr_link(analysis: dict, cells: dict, twin: str) -> dict | None:
             "pearson_log_infnorm_vs_sqnr": float(np.corrcoef(x, y)[0, 1])}
 
 
-def layer_inputs(linear_inputs: dict, layer: int) -> dict:
-    """The layer's o_proj and down_proj inputs: inf-norm and kurtosis (where outliers hurt W8A8)."""
+def layer_inputs(linear_inputs: dict, layer: int, kind: str = "full_attention") -> dict:
+    """The layer's mixer output projection (attention o_proj, or a Gated DeltaNet's out_proj) and down_proj inputs:
+    inf-norm and kurtosis (where outliers hurt W8A8)."""
     out = {}
-    for short, name in (("o_proj", f"layers.{layer}.self_attn.o_proj"), ("down_proj", f"layers.{layer}.mlp.down_proj")):
+    mixer = "linear_attn.out_proj" if kind == "linear_attention" else "self_attn.o_proj"
+    for short, name in (("o_proj", f"layers.{layer}.{mixer}"), ("down_proj", f"layers.{layer}.mlp.down_proj")):
         v = linear_inputs.get(name)
         if v:
             out[f"{short}_inf_norm"], out[f"{short}_kurtosis"] = v["max_abs"], v["kurtosis"]
@@ -64,7 +66,23 @@ def training_lines(rep: dict) -> list[str]:
     return lines
 
 
-def build_report(s: ReportSettings, analysis: dict, cells: dict, timings: dict, plot_files: list) -> dict:
+def _layer_row(rep: dict, l: dict) -> dict:
+    """One row of the per-layer table: the layer's kind, outliers, mixer/MLP inputs, and its gate (attention:
+    sigmoid(X W_g); a Gated DeltaNet layer: silu(X W_z))."""
+    kind = l.get("kind", "full_attention")
+    row = {k: l.get(k) for k in ("layer", "max_abs", "max_over_median", "bos_attention_mean")}
+    row["kind"] = "gdn" if kind == "linear_attention" else "attention"
+    row |= layer_inputs(rep["linear_inputs"], l["layer"], kind)
+    for prefix, gate in (("", "sigmoid(g)"), ("gdn_", "silu(z)")):
+        if f"{prefix}gate_mean" in l:
+            row |= {"gate": gate, "gate_mean": float(np.mean(l[f"{prefix}gate_mean"])),
+                    "gate_frac_below_0.1": float(np.mean(l[f"{prefix}gate_frac_below_0.1"]))}
+    return row
+
+
+def build_report(s: ReportSettings, analysis: dict, cells: dict, timings: dict, plot_files: list,
+                 memory: dict | None = None) -> dict:
+    """report.json's dict. memory: twin -> its cache sizes (quantgate.info.cache_bytes), for the memory sentence."""
     try:
         import llama_cpp
         llama_version = llama_cpp.__version__
@@ -73,23 +91,22 @@ def build_report(s: ReportSettings, analysis: dict, cells: dict, timings: dict, 
     outliers = {}
     for t, rep in analysis.items():
         L = rep["layers"]
+        bos = [l["bos_attention_mean"] for l in L if l.get("bos_attention_mean") is not None]  # attention layers
         outliers[t] = {"max_abs": max(l["max_abs"] for l in L), "max_over_median": max(l["max_over_median"] for l in L),
-                       "bos_attention_max_layer_mean": max(l["bos_attention_mean"] for l in L),
+                       "bos_attention_max_layer_mean": max(bos),
+                       "bos_attention_layers": len(bos), "layers": len(L),
                        "uniform_bos_share": rep["uniform_bos_share"],
                        "max_kurtosis": max(v["kurtosis"] for v in rep["linear_inputs"].values()),
                        "max_linear_inf_norm": max(v["max_abs"] for v in rep["linear_inputs"].values()),
-                       "per_layer": [{k: l.get(k) for k in ("layer", "max_abs", "max_over_median", "bos_attention_mean")}
-                                     | layer_inputs(rep["linear_inputs"], l["layer"])
-                                     | ({"gate_mean": float(np.mean(l["gate_mean"])),
-                                         "gate_frac_below_0.1": float(np.mean(l["gate_frac_below_0.1"]))}
-                                        if "gate_mean" in l else {}) for l in L]}
+                       "per_layer": [_layer_row(rep, l) for l in L]}
     rep = {"quantgate_version": __version__, "settings": asdict(s), "created": time.strftime("%Y-%m-%d %H:%M:%S"),
            "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                        "python": platform.python_version()},
            "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
                         "llama_cpp_python": llama_version},
            "cells": {k: {kk: vv for kk, vv in v.items() if kk != "layer_sqnr_db"} for k, v in cells.items()},
-           "outliers": outliers, "link": {t: sqnr_link(analysis, cells, t) for t in TWINS}, "timings_s": timings}
+           "outliers": outliers, "link": {t: sqnr_link(analysis, cells, t) for t in TWINS}, "timings_s": timings,
+           **({"memory": memory} if memory else {})}
     rep["conclusion"] = conclusion(rep)
     return rep
 
@@ -106,8 +123,17 @@ def conclusion(rep: dict) -> list[str]:
     sink = "none of either twin's layers is an attention sink" if max(b["bos_attention_max_layer_mean"],
                                                                     g["bos_attention_max_layer_mean"]) < 0.2 \
         else "at least one layer puts most of its attention on BOS"
-    lines.append(f"Attention on BOS, worst layer (head mean): baseline {b['bos_attention_max_layer_mean']:.3f} vs gated "
-                 f"{g['bos_attention_max_layer_mean']:.3f} (uniform {uni:.3f}): {sink}.")
+    hybrid = b.get("bos_attention_layers", b.get("layers")) != b.get("layers")
+    where = f" (the {b['bos_attention_layers']} full-attention layers of {b['layers']}; Gated DeltaNet layers have " \
+            f"no attention to read)" if hybrid else ""
+    lines.append(f"Attention on BOS, worst layer (head mean){where}: baseline {b['bos_attention_max_layer_mean']:.3f} "
+                 f"vs gated {g['bos_attention_max_layer_mean']:.3f} (uniform {uni:.3f}): {sink}.")
+    mem = rep.get("memory") or {}
+    if hybrid and mem.get("gated"):
+        m = mem["gated"]
+        lines.append(f"Memory per sequence (gated twin): {m['kv_cache_bytes_per_token']:,} bytes of fp16 KV cache per "
+                     f"token on the full-attention layers, plus a fixed {m['recurrent_state_bytes']:,}-byte recurrent "
+                     f"state for the Gated DeltaNet layers, whatever the length.")
     wins = {"baseline": 0, "gated": 0, "tie": 0}
     for key, cell in rep["cells"].items():
         backend, twin, scheme = key.split("/")

@@ -43,14 +43,15 @@ CELL_COLUMNS = (
     Column("prefill tok/s", _get("prefill_tps"), ".0f"), Column("decode tok/s", _get("decode_tps"), ".0f"),
     Column("gate mean abs diff", lambda r: (r.get("gate_survival") or {}).get("worst_mean_abs_diff"), ".5f"),
 )
-LAYER_COLUMNS = (
-    Column("layer", _get("layer")), Column("max abs h", _get("max_abs"), ".1f"),
+LAYER_COLUMNS = (  # o_proj: the mixer's output projection (a Gated DeltaNet layer's out_proj); gate: which one
+    Column("layer", _get("layer")), Column("kind", _get("kind")), Column("max abs h", _get("max_abs"), ".1f"),
     Column("max/median", _get("max_over_median"), ".1f"), Column("BOS attention", _get("bos_attention_mean"), ".3f"),
     Column("o_proj inf-norm", _get("o_proj_inf_norm"), ".1f"),
     Column("o_proj kurtosis", _get("o_proj_kurtosis"), ".1f"),
     Column("down_proj inf-norm", _get("down_proj_inf_norm"), ".1f"),
     Column("down_proj kurtosis", _get("down_proj_kurtosis"), ".1f"),
-    Column("gate mean", _get("gate_mean"), ".3f"), Column("gate < 0.1", _get("gate_frac_below_0.1"), ".1%"),
+    Column("gate", _get("gate")), Column("gate mean", _get("gate_mean"), ".3f"),
+    Column("gate < 0.1", _get("gate_frac_below_0.1"), ".1%"),
 )
 
 

@@ -7,7 +7,7 @@ from ..errors import QuantgateError
 from ..formats import load_checkpoint
 from ..fsio import atomic_file, claim_folder, write_json
 from ..identity import code_id, content_id
-from ..model import attention_only
+from ..info import cache_bytes
 from ..progress import console
 from .cells import Artifacts, cached, score_cell, torch_fp32_cell
 from .conclusion import build_report, training
@@ -18,10 +18,12 @@ from .settings import BENCH_TOKENS, DEFAULT_SCHEMES, TWINS, Identity, ReportSett
 def _check_twins(s: ReportSettings) -> dict:
     """Both twins loaded, in the right order, with tokenizers and enough context for every window and speed run."""
     loaded = {t: load_checkpoint(getattr(s, t)) for t in TWINS}
-    for t in TWINS:
-        attention_only(loaded[t].model.cfg, "quantgate report")
     if loaded["baseline"].model.cfg.gate != "none" or loaded["gated"].model.cfg.gate == "none":
         raise QuantgateError("--models takes the baseline (no gate) first, then the gated twin")
+    types = [loaded[t].model.cfg.layer_types or ("full_attention",) * loaded[t].model.cfg.n_layers for t in TWINS]
+    if types[0] != types[1]:
+        raise QuantgateError("the twins must have the same layers (a hybrid baseline beside a hybrid gated twin, or two "
+                             "all-attention twins); these differ in layer_types")
     if loaded["baseline"].tokenizer is None or loaded["gated"].tokenizer is None:
         raise QuantgateError("both twins need a tokenizer.json")
     for t in TWINS:
@@ -69,7 +71,8 @@ def run_report(s: ReportSettings) -> dict:
                     console.print(f"  skipped: {cell['error']}", markup=False, highlight=False)
                 cells[f"{backend}/{twin}/{scheme}"] = cell
 
-    report = build_report(s, analysis, cells, timings, plot_files)
+    report = build_report(s, analysis, cells, timings, plot_files,
+                          memory={t: cache_bytes(loaded[t].model.cfg) for t in TWINS})
     report["identity"] = {"models": ident.models, "data": ident.data, "code": ident.code}
     report["artifacts"] = arts.log
     report["training"] = {t: training(loaded[t].model.cfg.extra) for t in TWINS}

@@ -304,7 +304,7 @@ def test_malformed_onnx_gives_one_line_and_no_output(onnx_dirs, tmp_path, name, 
 @pytest.mark.parametrize("args,needle", [
     (["--scheme", "int3"], "unknown ONNX scheme 'int3'"),
     (["--scheme", "int8-dynamic", "--gate-bits", "8"], "applies to int4"),
-    (["--scheme", "int4", "--gate-bits", "8"], "no fused q|gate projection"),
+    (["--scheme", "int4", "--gate-bits", "8"], "has no gate projection"),
     (["--scheme", "int4", "--block-size", "48"], "--block-size"),
     (["--scheme", "int8-static", "--calib-data", "SHORT"], "too short for one window"),
     (["--type", "Q4_0"], "--scheme is required"),

@@ -202,6 +202,7 @@ def test_signal_during_report_then_resume(twins, tmp_path, sig, code):
     _check_resume(twins, out, tmp_path / "cache")
 
 
+@pytest.mark.slow  # 80 s; the SIGTERM case of test_signal_during_report_then_resume checks the same resume by default
 def test_ctrl_c_to_the_process_group_during_report_then_resume(twins, tmp_path):
     before = tree_snapshot(twins)
     out = tmp_path / "rep"
