@@ -60,6 +60,17 @@ def make_hf_qwen3_next(partial_rotary: float = 1.0, tie: bool = False, seed: int
     return m
 
 
+def transformers5_python() -> str | None:
+    """This interpreter, when it holds transformers >= 5.2 (Qwen3.5; the test venv does): the reference scripts
+    that take a transformers-5 interpreter (QUANTGATE_TF5_PYTHON) then run in it."""
+    try:
+        from importlib.metadata import version
+        major, minor = (int(x) for x in version("transformers").split(".")[:2])
+    except Exception:  # not installed, or an unparsable version
+        return None
+    return sys.executable if (major, minor) >= (5, 2) else None
+
+
 def rel_err(a, b) -> float:
     a, b = (torch.as_tensor(x).detach().double() for x in (a, b))
     return float((a - b).abs().max() / b.abs().max())

@@ -1,5 +1,5 @@
 """Gated DeltaNet layers (Qwen3.5 hybrids): chunked = recurrent, cached decode = full forward, and the layer equal to
-transformers' own Gated DeltaNet (Qwen3-Next's, transformers 4.57: the same math with fused projections)."""
+transformers' own Gated DeltaNet (Qwen3-Next's: the same math with fused projections)."""
 from __future__ import annotations
 
 import pytest

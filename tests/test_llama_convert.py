@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import randomize_, rel_err
+from conftest import randomize_, rel_err, transformers5_python
 from quantgate.export.gguf import export_checkpoint
 from quantgate.formats import save_checkpoint
 from quantgate.formats.gguf import open_reader
@@ -28,10 +28,10 @@ from quantgate.model import hybrid, make_twins, preset
 from quantgate.runners import LlamaRunner
 from quantgate.tokenizer import train_bpe
 
-TF5 = os.environ.get("QUANTGATE_TF5_PYTHON")
+TF5 = os.environ.get("QUANTGATE_TF5_PYTHON") or transformers5_python()
 pytestmark = [pytest.mark.slow,  # fetches and unpacks the sdist, runs the converter: about a minute
-              pytest.mark.skipif(not TF5, reason="QUANTGATE_TF5_PYTHON (a transformers 5 interpreter, which the "
-                                                 "converter needs) is not set; .ci/run builds one")]
+              pytest.mark.skipif(not TF5, reason="needs transformers >= 5.2 (the converter reads the "
+                                                 "tokenizer with it): pip install '.[test]'")]
 SCRIPT = Path(__file__).with_name("llama_convert.py")
 W = np.array([[0] + list(range(3, 40)), [0] + list(range(299, 262, -1))], dtype=np.int64)
 OURS_ONLY = ("quantgate.",)  # our provenance keys; general.* (names, size labels) are each writer's own

@@ -1,5 +1,6 @@
-"""Qwen3.5 hybrids against stock transformers 5 (Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration), run by a
-second interpreter (QUANTGATE_TF5_PYTHON: a venv with transformers >= 5.2, which .ci/run builds), in two shapes:
+"""Qwen3.5 hybrids against stock transformers 5 (Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration), run by
+tests/tf5_reference.py in a child interpreter (this one, which `.[test]` gives transformers >= 5.2, or the one
+QUANTGATE_TF5_PYTHON names), in two shapes:
 tied embeddings with as many value heads as key heads, and untied with twice as many value heads.
 
 Both directions: a stock random model saved by save_pretrained is read by our loader (logits within 1e-5 of the
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import randomize_, rel_err
+from conftest import randomize_, rel_err, transformers5_python
 from quantgate.calib_data import eval_windows, load_corpus, tokenize_corpus
 from quantgate.evaluate import evaluate_model
 from quantgate.formats import load_checkpoint, save_checkpoint
@@ -26,9 +27,9 @@ from quantgate.metrics import token_nll
 from quantgate.model import hybrid, make_twins, preset
 from quantgate.tokenizer import byte_tokenizer
 
-TF5 = os.environ.get("QUANTGATE_TF5_PYTHON")
-pytestmark = pytest.mark.skipif(not TF5, reason="QUANTGATE_TF5_PYTHON (a transformers 5 interpreter) is not set; "
-                                                 ".ci/run builds one")
+TF5 = os.environ.get("QUANTGATE_TF5_PYTHON") or transformers5_python()
+pytestmark = pytest.mark.skipif(not TF5, reason="needs transformers >= 5.2 (pip install '.[test]') or "
+                                                 "QUANTGATE_TF5_PYTHON naming an interpreter that has it")
 SCRIPT = Path(__file__).with_name("tf5_reference.py")
 IDS = np.random.default_rng(0).integers(3, 300, size=(2, 24)).astype(np.int64)
 IDS[:, 0] = 0

@@ -1,7 +1,8 @@
-"""Run by the transformers-5 interpreter (QUANTGATE_TF5_PYTHON), not by pytest: stock Qwen3.5 as the reference.
+"""Run by a transformers-5 interpreter (the test venv's own, or QUANTGATE_TF5_PYTHON), not by pytest: stock
+Qwen3.5 as the reference.
 
-It imports only torch, transformers, safetensors and numpy (quantgate's own venv holds transformers 4.57, which
-has no Qwen3.5, and optimum-onnx pins it there). `python tf5_reference.py JOBS.json` runs every job of the list
+It imports only torch, transformers, safetensors and numpy, in a process of its own (one start-up for every job,
+and nothing of quantgate's loaded beside it). `python tf5_reference.py JOBS.json` runs every job of the list
 in one process (one start-up), each writing an .npz of float64 logits:
 
   ["logits", DIR, IDS.npy, OUT.npz]
