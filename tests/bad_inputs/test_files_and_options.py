@@ -119,8 +119,12 @@ def test_truncated_safetensors(good_model):
 
 
 def test_pickled_weights_are_refused(tmp_path):
+    import torch
     d = tmp_path / "pkl"
-    make_hf_qwen3().save_pretrained(d, safe_serialization=False)
+    hf = make_hf_qwen3()
+    hf.save_pretrained(d)  # transformers 5 writes safetensors only: make the pickled checkpoint older versions wrote
+    (d / "model.safetensors").unlink()
+    torch.save(hf.state_dict(), d / "pytorch_model.bin")
     assert_one_line_error(run_cli("info", str(d)), "pickled weights are never loaded")
 
 
