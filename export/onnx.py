@@ -122,9 +122,12 @@ def trace_to_onnx(model: Model, path: Path, opset: int = 23, dtype: str = "fp32"
     finally:
         shutil.rmtree(traced, ignore_errors=True)
     name_linear_weights(graph)
-    if weight_bytes(graph) <= INLINE_LIMIT:  # the checker serializes the whole graph: only below protobuf's limit
+    inline = weight_bytes(graph) <= INLINE_LIMIT
+    if inline:  # the checker serializes a graph it is given: only below protobuf's limit
         onnx.checker.check_model(graph)
     _save(graph, path, dtype)
+    if not inline and dtype == "fp32":  # a graph with external data is checked from its file
+        onnx.checker.check_model(str(path))
 
 
 def _save(graph, path: Path, dtype: str) -> None:

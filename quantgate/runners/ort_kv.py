@@ -28,11 +28,11 @@ def check_kv_bits(kv_bits: int | None) -> None:
         raise QuantgateError(f"KV-cache bits must be one of {', '.join(map(str, KV_BITS))} (got {kv_bits})")
 
 
-def with_quantized_cache(model: onnx.ModelProto, path: Path, layers: int | list[int], kv_bits: int,
+def with_quantized_cache(model: onnx.ModelProto, path: Path, layers: list[int], kv_bits: int,
                          dtype: np.dtype) -> onnx.ModelProto:
     """`model` (the graph of `path`, weights not loaded) with every new k and v rounded to `kv_bits` before the
-    Concat that writes them into the cache. layers: the attention layers' indices (or their count when every
-    layer is attention); a hybrid's Gated DeltaNet states are not a KV cache and stay as they are."""
+    Concat that writes them into the cache. layers: the attention layers' indices; a hybrid's Gated DeltaNet
+    states are not a KV cache and stay as they are."""
     check_kv_bits(kv_bits)
     g = model.graph
     if any(n.op_type == "GroupQueryAttention" for n in g.node):
@@ -45,7 +45,7 @@ def with_quantized_cache(model: onnx.ModelProto, path: Path, layers: int | list[
         g.initializer.append(numpy_helper.from_array(np.array(v, dtype=dtype), f"kvq/{k}"))
     g.initializer.append(numpy_helper.from_array(np.array([-1], dtype=np.int64), "kvq/last_axis"))
     before: dict[str, list] = {}  # Concat's output name -> the rounding nodes that must run just before it
-    for i in (range(layers) if isinstance(layers, int) else layers):
+    for i in layers:
         for kv in ("key", "value"):
             cat = producer.get(f"present.{i}.{kv}")
             if cat is None or cat.op_type != "Concat" or list(cat.input[:1]) != [f"past_key_values.{i}.{kv}"]:
