@@ -2,8 +2,9 @@
 from .documents import SPLITS, Corpus, Document, split_of
 from .sampling import TokenStream, sample_windows, tokenize_corpus
 from .sources import data_paths, load_corpus, read_text_file
-from .splits import calibration_split, calibration_windows, check_ctx, default_split, eval_windows
+from .splits import calibration_split, calibration_windows, check_ctx, default_split, eval_windows, has_splits
+from .synthetic import SYNTHETIC_NAMES
 
 __all__ = ["SPLITS", "Corpus", "Document", "split_of", "load_corpus", "read_text_file", "data_paths",
            "TokenStream", "tokenize_corpus", "sample_windows", "calibration_split", "calibration_windows",
-           "check_ctx", "default_split", "eval_windows"]
+           "check_ctx", "default_split", "eval_windows", "has_splits", "SYNTHETIC_NAMES"]

@@ -1,4 +1,5 @@
-"""Text sources: the embedded default, files, folders, globs, WikiText-style files, local HF datasets.
+"""Text sources: the embedded default, synthetic corpora, files, folders, globs, WikiText-style files, local HF
+datasets.
 
 Every source becomes a Corpus of named documents. Nothing here touches the network: a HF `datasets`
 source must be a folder written by `save_to_disk`.
@@ -13,8 +14,10 @@ from quantgate.errors import QuantgateError
 
 from .documents import Corpus, Document
 from .embedded import stdlib_documents
+from .synthetic import SYNTHETIC_NAMES, synthetic_documents
 
 EMBEDDED_NAMES = ("embedded", "stdlib")
+SYNTHETIC_PREFIX = "synthetic:"  # generated corpora (calib_data.synthetic): nothing on disk
 CHUNK_CHARS = 4000  # plain text is cut into documents of about this size, at paragraph or line breaks
 _WIKI_HEADING = re.compile(r"^ = [^=].* = $", re.M)
 
@@ -24,6 +27,10 @@ def load_corpus(spec: str | Path, max_chars: int | None = None) -> Corpus:
     s = str(spec)
     if s in EMBEDDED_NAMES:
         docs = stdlib_documents(max_chars)
+    elif s.startswith(SYNTHETIC_PREFIX):
+        if s not in SYNTHETIC_NAMES:
+            raise QuantgateError(f"unknown synthetic corpus {s}; choose from {', '.join(SYNTHETIC_NAMES)}")
+        docs = synthetic_documents(s)
     elif any(ch in s for ch in "*?[") and not Path(s).exists():
         paths = sorted(Path(p) for p in glob.glob(s, recursive=True) if Path(p).is_file())
         if not paths:
@@ -51,7 +58,7 @@ def load_corpus(spec: str | Path, max_chars: int | None = None) -> Corpus:
 
 def data_paths(spec: str | Path | None) -> list[Path]:
     """The files and folders on disk that a `--data` value reads: the inputs an output must never overwrite."""
-    if spec is None or str(spec) in EMBEDDED_NAMES:
+    if spec is None or str(spec) in EMBEDDED_NAMES or str(spec) in SYNTHETIC_NAMES:
         return []
     s = str(spec)
     if Path(s).exists():

@@ -1,6 +1,6 @@
 """Which text calibrates and which evaluates, and how it is cut into windows: the one policy every command uses.
 
-The embedded corpus has held-out splits (DESIGN section 5): calibration (static activation ranges, GPTQ,
+The built-in corpora, embedded and synthetic, have held-out splits (DESIGN section 5): calibration (static activation ranges, GPTQ,
 SmoothQuant, ONNX int8-static, GGUF importance matrices) samples its `valid` split, evaluation reads its `test`
 split, so no scheme is calibrated on the text it is scored on. A user's text is used whole for either.
 """
@@ -12,16 +12,23 @@ from quantgate.errors import QuantgateError
 
 from .sampling import sample_windows, tokenize_corpus
 from .sources import EMBEDDED_NAMES, load_corpus
+from .synthetic import SYNTHETIC_NAMES
+
+
+def has_splits(data: str) -> bool:
+    """Whether `data` names a built-in corpus (embedded or synthetic), whose documents are split
+    train/valid/test; a user's text has no held-out split and is used whole."""
+    return str(data) in EMBEDDED_NAMES or str(data) in SYNTHETIC_NAMES
 
 
 def default_split(data: str) -> str:
-    """The embedded corpus is evaluated on its held-out test split; a user's file is evaluated whole."""
-    return "test" if str(data) in EMBEDDED_NAMES else "all"
+    """A built-in corpus is evaluated on its held-out test split; a user's file is evaluated whole."""
+    return "test" if has_splits(data) else "all"
 
 
 def calibration_split(data: str) -> str:
-    """The embedded corpus calibrates on its valid split (never its test split); a user's text is used whole."""
-    return "valid" if str(data) in EMBEDDED_NAMES else "all"
+    """A built-in corpus calibrates on its valid split (never its test split); a user's text is used whole."""
+    return "valid" if has_splits(data) else "all"
 
 
 def calibration_windows(tokenizer, calib_data: str, n_windows: int, ctx: int, seed: int) -> np.ndarray:

@@ -1,0 +1,69 @@
+"""The synthetic Bigram-Backcopy corpus (calib_data.synthetic): seeded, one byte token per symbol, the
+back-copy rule, its splits and how the split policy treats it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from quantgate.calib_data import SYNTHETIC_NAMES, calibration_split, data_paths, default_split, load_corpus
+from quantgate.calib_data.synthetic import (BIGRAM_BACKCOPY, SYMBOLS, TRIGGERS, backcopy_violations,
+                                            generate_chains, transition_matrix)
+from quantgate.errors import QuantgateError
+from quantgate.tokenizer import byte_tokenizer
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus(BIGRAM_BACKCOPY)
+
+
+def test_named_and_deterministic(corpus):
+    assert BIGRAM_BACKCOPY in SYNTHETIC_NAMES
+    again = load_corpus(BIGRAM_BACKCOPY)
+    assert [d.text for d in again.documents] == [d.text for d in corpus.documents]
+    assert again.fingerprint == corpus.fingerprint
+    assert 2_000_000 <= corpus.n_chars <= 4_000_000 and len(corpus.documents) >= 1000
+    chains = generate_chains(4, 50, transition_matrix())
+    assert np.array_equal(chains, generate_chains(4, 50, transition_matrix()))
+
+
+def test_every_symbol_is_one_byte_token(corpus):
+    tok = byte_tokenizer()
+    for d in corpus.documents[:20]:
+        ids = tok.encode(d.text)
+        assert len(ids) == len(d.text) and tok.decode(ids) == d.text
+        assert min(ids) >= 3  # no specials
+    assert set("".join(d.text for d in corpus.documents[:200])) <= set(SYMBOLS)
+    assert len(tok.encode(SYMBOLS)) == len(SYMBOLS)
+
+
+def test_backcopy_rule_holds(corpus):
+    assert sum(backcopy_violations(d.text) for d in corpus.documents) == 0
+    text = "".join(d.text for d in corpus.documents[:100])
+    n_trig = sum(text.count(t) for t in TRIGGERS)
+    assert 0.01 < n_trig / len(text) < 0.2  # triggers occur, and often enough to learn the copy
+    for d in corpus.documents[:100]:
+        assert d.text[0] not in TRIGGERS  # a fresh chain: a trigger always has a symbol before it
+        for i in range(1, len(d.text) - 1):
+            if d.text[i] in TRIGGERS:
+                assert d.text[i + 1] == d.text[i - 1]
+    t = TRIGGERS[0]
+    assert backcopy_violations(f"x{t}y") == 1 and backcopy_violations(f"x{t}x") == 0
+
+
+def test_splits_and_split_policy(corpus):
+    sizes = {s: len(corpus.split(s).documents) for s in ("train", "valid", "test")}
+    assert all(n > 0 for n in sizes.values()) and sizes["train"] > 10 * sizes["test"]
+    assert default_split(BIGRAM_BACKCOPY) == "test" and calibration_split(BIGRAM_BACKCOPY) == "valid"
+    assert default_split("embedded") == "test" and default_split("some/file.txt") == "all"
+    assert data_paths(BIGRAM_BACKCOPY) == []
+
+
+def test_max_chars_caps(corpus):
+    assert load_corpus(BIGRAM_BACKCOPY, max_chars=10_000).n_chars <= 10_000 + len(corpus.documents[0].text)
+
+
+def test_unknown_synthetic_name_errors():
+    with pytest.raises(QuantgateError, match="unknown synthetic corpus synthetic:xyz; choose from "
+                                             "synthetic:bigram-backcopy"):
+        load_corpus("synthetic:xyz")
