@@ -141,6 +141,8 @@ def _emit(obj: dict, as_json: bool) -> None:
         click.echo(json.dumps(obj, indent=2))
     else:
         for k, v in obj.items():
+            if k == "per_window":  # the bootstrap's units: too long for a terminal line
+                v = f"{len(v['kld'])} windows (--json prints them)"
             click.echo(f"{k:>20}: {v}")
 
 
@@ -203,6 +205,9 @@ DATA_HELP = ("text source: 'embedded' (the Python standard library's sources, al
 @click.option("--weight-decay", type=click.FloatRange(0, 10), default=0.1, show_default=True)
 @click.option("--grad-clip", type=click.FloatRange(0, 1e6, min_open=True), default=1.0, show_default=True)
 @click.option("--seed", type=SEED, default=0, show_default=True)
+@click.option("--seeds", type=click.IntRange(1, 100), default=1, show_default=True,
+              help="with --twins: train this many twin pairs, seeds SEED..SEED+N-1, into OUT/seed-K/ (for `report` "
+                   "to say whether a difference survives another training run)")
 @click.option("--vocab-size", type=click.IntRange(259, 1 << 20), default=None,
               help="BPE vocabulary (default: the preset's)")
 @click.option("--byte-tokenizer", is_flag=True, help="256 bytes + specials instead of BPE")
@@ -215,13 +220,20 @@ DATA_HELP = ("text source: 'embedded' (the Python standard library's sources, al
 @click.option("--compile", "compile_", is_flag=True,
               help="torch.compile the model: faster steps after about a minute of compiling per model")
 @click.option("--resume", is_flag=True, help="continue the run in --out from its last checkpoint")
-def train(out, resume, compile_, **kw):
+def train(out, resume, compile_, seeds, **kw):
     """Train a model (or twins) from scratch. Multi-GPU/multi-process: run under torchrun."""
-    from quantgate.train import TrainConfig
+    from quantgate.train import TrainConfig, train_seeds
     from quantgate.train import train as run_train
-    paths = run_train(TrainConfig(compile=compile_, **kw), out, resume=resume)
-    for role, p in paths.items():
-        click.echo(f"{role}: {p}")
+    tc = TrainConfig(compile=compile_, **kw)
+    if seeds == 1:
+        for role, p in run_train(tc, out, resume=resume).items():
+            click.echo(f"{role}: {p}")
+        return
+    runs = train_seeds(tc, out, seeds, resume=resume)
+    for paths in runs:
+        click.echo(" ".join(f"{role}: {p}" for role, p in paths.items()))
+    pairs = " ".join(f"--models {r['baseline']} {r['gated']}" for r in runs)
+    click.echo(f"report across seeds: quantgate report {pairs} --out REPORT_DIR")
 
 
 @main.command("eval")
@@ -530,24 +542,32 @@ def attribute(model, scheme, data, n_windows, calib_windows, ctx, json_out):
 
 
 @main.command()
-@click.option("--models", nargs=2, required=True, type=MODEL, metavar="BASELINE GATED",
-              help="the twins: a model without gate, then the gated one (same tokenizer)")
+@click.option("--models", nargs=2, required=True, type=MODEL, metavar="BASELINE GATED", multiple=True,
+              help="the twins: a model without gate, then the gated one (same tokenizer). Repeat it once per seed "
+                   "(`train --twins --seeds N` writes OUT/seed-K/baseline and gated): each pair gets its own report in "
+                   "OUT/seed-K/ and OUT/report.* gives the numbers across seeds")
 @click.option("--data", default="embedded", show_default=True, help=DATA_HELP)
 @click.option("--backends", default="torch,onnx,gguf", show_default=True, help="comma list of torch, onnx, gguf")
 @click.option("--schemes", default=None,
               help="comma list of backend:scheme (e.g. torch:w8a8-static,onnx:int4,gguf:Q4_K_M,gguf:kv-q4_0); "
                    "default: a set per backend (see quantgate.report.DEFAULT_SCHEMES)")
-@click.option("--windows", type=COUNT, default=16, show_default=True, help="held-out windows scored per cell")
+@click.option("--windows", type=COUNT, default=64, show_default=True,
+              help="held-out windows scored per cell: the bootstrap's units (at least 16 for an interval; "
+                   "benchmarks/results/interval_width.json shows how intervals narrow with more)")
 @click.option("--ctx", type=CTX, default=256, show_default=True)
 @click.option("--calib-windows", type=COUNT, default=16, show_default=True)
 @click.option("--threads", type=THREADS, default=None)
+@click.option("--unpaired", is_flag=True,
+              help="the two models are not twins (other layers or another tokenizer, e.g. Qwen/Qwen3-0.6B beside "
+                   "Qwen/Qwen3.5-0.8B): each is still scored against its own float model, and the comparisons resample "
+                   "each model's windows on their own instead of pairing them")
 @click.option("--out", required=True, type=click.Path(), help="report directory (cells/, artifacts/, plots/, report.*)")
-def report(models, data, backends, schemes, windows, ctx, calib_windows, threads, out):
+def report(models, data, backends, schemes, windows, ctx, calib_windows, threads, unpaired, out):
     """Accuracy against bits for the twins side by side, per backend and scheme, with their outliers, the
     per-layer link between activation size and quantization error, gate survival and a conclusion written
     from the numbers. Re-running reuses every finished cell."""
     from quantgate.progress import console
-    from quantgate.report import DEFAULT_SCHEMES, ReportSettings, run_report
+    from quantgate.report import DEFAULT_SCHEMES, ReportSettings, run_report, run_seeds_report
     bks = tuple(b.strip() for b in backends.split(",") if b.strip())
     sch = {b: list(DEFAULT_SCHEMES.get(b, [])) for b in bks}
     if schemes:
@@ -557,8 +577,9 @@ def report(models, data, backends, schemes, windows, ctx, calib_windows, threads
             if b not in sch or not name:
                 raise QuantgateError(f"--schemes item {item!r} is not backend:scheme for one of {', '.join(bks)}")
             sch[b].append(name)
-    rep = run_report(ReportSettings(models[0], models[1], out, data, bks, sch, windows, ctx, calib_windows,
-                                    threads=threads))
+    settings = ReportSettings(models[0][0], models[0][1], out, data, bks, sch, windows, ctx, calib_windows,
+                              threads=threads, unpaired=unpaired)
+    rep = run_report(settings) if len(models) == 1 else run_seeds_report(list(models), settings)
     for line in rep["conclusion"]:
         click.echo(f"- {line}")
     console.print(f"report: {out}/report.html, {out}/report.md, {out}/report.json", markup=False, highlight=False)
@@ -569,12 +590,21 @@ def report(models, data, backends, schemes, windows, ctx, calib_windows, threads
 @click.option("--fast", is_flag=True, help="tiny twins, a few minutes (CI)")
 @click.option("--gate", type=click.Choice(["headwise", "elementwise"]), default="elementwise", show_default=True)
 @click.option("--threads", type=THREADS, default=None)
-def demo(out, fast, gate, threads):
+@click.option("--lab", type=click.Choice(["sinks"]), default=None,
+              help="sinks: twins on a synthetic Bigram-Backcopy corpus (Guo et al. 2024) on which small models grow "
+                   "attention sinks, several seeds, then the same analysis and report across seeds (torch schemes)")
+@click.option("--seeds", type=click.IntRange(1, 20), default=3, show_default=True, help="twin pairs the lab trains")
+def demo(out, fast, gate, threads, lab, seeds):
     """Train baseline and gated twins on the embedded corpus, evaluate them on held-out text, analyse their
     outliers side by side (analysis.json, plots/), export and quantize both on every backend and write the
     report (report/report.html), then stream a short generation from the 4-bit GGUF. Re-running reuses
     finished stages."""
-    from quantgate.demo import run_demo
+    from quantgate.demo import run_demo, run_lab
+    if lab:
+        if fast:
+            raise QuantgateError("--fast and --lab are separate demos; choose one")
+        run_lab(out, lab, gate=gate, threads=threads, seeds=seeds)
+        return
     run_demo(out, fast=fast, gate=gate, threads=threads)
 
 

@@ -5,6 +5,7 @@ models analysed with the same arguments see exactly the same tokens.
 """
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,8 @@ def analyze(model_path: str, data: str = "embedded", ctx: int = 256, n_windows: 
     windows = sample_windows(tokenize_corpus(corpus, tok), n_windows, ctx, seed)
     rep = analyze_model(loaded.model, windows)
     rep.update(model=str(model_path), gate=loaded.model.cfg.gate, layout=loaded.layout, data=str(data),
-               split=split, seed=seed, corpus_fingerprint=corpus.fingerprint)
+               split=split, seed=seed, corpus_fingerprint=corpus.fingerprint,
+               windows_id=hashlib.sha256(windows.tobytes()).hexdigest()[:16])  # two twins' windows pair when equal
     return rep
 
 

@@ -26,6 +26,7 @@ from .fsio import atomic_file
 from .identity import code_id, content_id, key
 from .metrics import kld_summary, layer_sqnr, position_kld, token_nll, top1_match
 from .progress import track
+from .stats import cell_intervals
 from .runners import LlamaRunner, OrtRunner, Runner, TorchRunner
 from .runners.kv import ROUNDED_KV_TYPES, kv_bits_for
 from .tokenizer import load_tokenizer
@@ -213,6 +214,10 @@ def compare_to_reference(runner: Runner, ref_logits: np.ndarray, windows: np.nda
     nll, ref_nll, kld, top1 = (np.concatenate(a) for a in (nll, ref_nll, kld, top1))
     ppl, ref_ppl = math.exp(nll.mean()), math.exp(ref_nll.mean())
     summary = {k: v for k, v in kld_summary(kld, top1).items() if k != "positions"}  # n_tokens says it
+    per_window = {k: a.reshape(len(windows), -1).mean(axis=1).tolist()
+                  for k, a in (("kld", kld), ("nll", nll), ("ref_nll", ref_nll), ("top1", top1.astype(np.float64)))}
     return {"ppl": ppl, "mean_nll": float(nll.mean()), "n_tokens": int(nll.size), "n_windows": len(windows),
             "ctx": int(windows.shape[1]), "reference_ppl": ref_ppl, "delta_ppl": ppl - ref_ppl,
-            "delta_ppl_pct": 100 * (ppl / ref_ppl - 1), **summary}
+            "delta_ppl_pct": 100 * (ppl / ref_ppl - 1), **summary, **cell_intervals(per_window),
+            # per-window means, the units the report's bootstrap resamples; the windows' id pairs two twins' cells
+            "per_window": per_window, "windows_id": hashlib.sha256(windows.tobytes()).hexdigest()[:16]}

@@ -3,7 +3,8 @@
 - massive activations: per layer, max |h| of the residual stream after the block, where it occurs
   (window, token position, channel), the median |h| and their ratio, and the top channels;
 - attention sinks: per layer and head, the attention mass on position 0 (BOS), averaged over query
-  positions >= 1;
+  positions >= 1, overall and per window (and each window's largest |h|: the units the report's bootstrap
+  resamples);
 - linear-input outliers: max |x| and kurtosis of the input of every linear layer;
 - gate: per layer and head, the mean of sigmoid(X W_g) and the fraction of values below 0.1;
 - hybrids: attention sinks on the full-attention layers only (a Gated DeltaNet layer has no attention
@@ -62,6 +63,8 @@ class LayerAccumulator:
     n_sampled: int = 0
     bos_sum: torch.Tensor | None = None  # per head
     bos_count: int = 0
+    bos_windows: list = field(default_factory=list)  # per window: [H] mean share on BOS (the bootstrap's units)
+    max_windows: list = field(default_factory=list)  # per window: its largest |h|
     gate_sum: torch.Tensor | None = None
     gate_low: torch.Tensor | None = None
     gate_count: int = 0
@@ -159,6 +162,7 @@ class OutlierCollector:
             flat = int(a.argmax())
             w, rest = divmod(flat, a.shape[1] * a.shape[2])
             acc.max_abs, acc.where = m, (self._windows_seen + w, *divmod(rest, a.shape[2]))
+        acc.max_windows += a.amax(dim=(1, 2)).tolist()
         cmax = a.amax(dim=(0, 1))
         acc.channel_max = cmax if acc.channel_max is None else torch.maximum(acc.channel_max, cmax)
         if acc.n_sampled < MEDIAN_SAMPLE:
@@ -170,6 +174,7 @@ class OutlierCollector:
         bos = probs[:, :, 1:, 0].float()  # [B, H, T-1]: attention of queries >= 1 on BOS
         acc.bos_sum = bos.sum(dim=(0, 2)) if acc.bos_sum is None else acc.bos_sum + bos.sum(dim=(0, 2))
         acc.bos_count += bos.shape[0] * bos.shape[2]
+        acc.bos_windows += bos.mean(dim=2).tolist()
 
     def report(self) -> dict:
         layers = []
@@ -183,6 +188,7 @@ class OutlierCollector:
                 "max_over_median": acc.max_abs / median if median > 0 else float("inf"),
                 "top_channels": [{"channel": int(c), "max_abs": float(v)} for v, c in zip(top.values, top.indices)],
                 "bos_attention": bos, "bos_attention_mean": None if bos is None else float(np.mean(bos)),
+                "max_abs_windows": acc.max_windows, "bos_attention_windows": acc.bos_windows or None,
             }
             if acc.gate_count:
                 entry["gate_mean"] = (acc.gate_sum / acc.gate_count).tolist()

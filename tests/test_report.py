@@ -30,7 +30,7 @@ def report_run(tmp_path_factory):
     save_checkpoint(gated, d / "gated", tok)
     (d / "text.txt").write_text(open(torch.__file__).read() * 3)
     args = ["report", "--models", str(d / "baseline"), str(d / "gated"), "--data", str(d / "text.txt"),
-            "--schemes", SCHEMES, "--windows", "2", "--ctx", "64", "--calib-windows", "2", "--out", str(d / "rep")]
+            "--schemes", SCHEMES, "--windows", "16", "--ctx", "64", "--calib-windows", "2", "--out", str(d / "rep")]
     r = run_cli(*args, env={"QUANTGATE_CACHE": str(d / "cache")})
     assert r.returncode == 0, r.stderr[-3000:]
     return d, args, r
@@ -49,8 +49,8 @@ def test_report_scores_every_cell_and_writes_three_files(report_run):
         assert c["kld_mean"] > 0 and 0 < c["top1_agreement"] <= 1 and c["bits_per_weight"] > 0, k
     assert rep["cells"]["onnx/gated/int4"]["gate_survival"]["worst_mean_abs_diff"] > 0
     assert rep["cells"]["gguf/gated/Q4_0"]["prefill_tps"] > 0 and rep["cells"]["gguf/gated/kv-q8_0"]["kv_type"] == "q8_0"
-    assert rep["versions"]["onnxruntime"] and rep["settings"]["windows"] == 2
-    assert (d / "rep" / "report.md").read_text().count("| onnx | int4 |") == 2
+    assert rep["versions"]["onnxruntime"] and rep["settings"]["windows"] == 16
+    assert (d / "rep" / "report.md").read_text().count("| onnx | int4 |") == 3  # two cells, one comparison
     assert r.stdout.startswith("- Largest residual activation")
 
 
@@ -58,15 +58,24 @@ def test_conclusion_follows_the_numbers(report_run):
     d, _, _ = report_run
     rep = json.loads((d / "rep" / "report.json").read_text())
     for backend, scheme in (("onnx", "int4"), ("gguf", "Q4_0"), ("torch", "w8a8-static")):
-        kb = rep["cells"][f"{backend}/baseline/{scheme}"]["kld_mean"]
-        kg = rep["cells"][f"{backend}/gated/{scheme}"]["kld_mean"]
+        for twin in ("baseline", "gated"):
+            c = rep["cells"][f"{backend}/{twin}/{scheme}"]
+            lo, hi = c["kld_mean_ci95"]
+            assert lo <= c["kld_mean"] <= hi and len(c["per_window"]["kld"]) == 16
+        comp = rep["comparisons"][f"{backend}/{scheme}"]
+        lo, hi = comp["kld_ratio_ci95"]
+        want = "gated" if hi < 1 else "baseline" if lo > 1 else "not resolved"
+        assert comp["kld_verdict"] == want
         line = next(c for c in rep["conclusion"] if c.startswith(f"{backend} {scheme}:"))
-        if max(kb, kg) / min(kb, kg) < 1.02:
-            assert "the twins lose the same within 2%" in line
-        else:
-            assert f"the {'gated' if kg < kb else 'baseline'} twin loses less" in line
+        assert f"{comp['kld_ratio']:.2f} [{lo:.2f}, {hi:.2f}]" in line
+        if comp["verdict"] == "not resolved":
+            assert "not resolved" in line
+        elif comp["verdict"] in ("gated", "baseline"):
+            assert f"the {comp['verdict']} twin loses less" in line
     o = rep["outliers"]
     assert f"{o['baseline']['max_abs']:.1f}" in rep["conclusion"][0]
+    assert rep["statistics"]["unit"] == "held-out window"
+    assert "Attention sinks (a head whose mean attention on BOS exceeds 0.3" in "\n".join(rep["conclusion"])
 
 
 def test_html_is_self_contained_with_plots(report_run):

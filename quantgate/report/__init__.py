@@ -10,16 +10,20 @@ generated from the numbers.
 
 - `settings`: ReportSettings, the default schemes, the identity cached results are keyed by
 - `cells`: building, scoring and timing one cell
+- `compare`: twin against twin (and gate-aware against plain) with paired intervals, and the per-layer link
+- `sinks`: attention sinks and massive activations as the literature defines them, with intervals
 - `conclusion`: the report's dict and the sentences written from its numbers
 - `render`: report.md, report.html (one column spec for both) and the plots
 - `run`: `run_report`, which runs the rest
+- `seeds`: `run_seeds_report`, one report per seed's twin pair and the numbers across seeds
 """
 from .cells import Artifacts, score_cell
 from .conclusion import build_report, conclusion
 from .render import CELL_COLUMNS, LAYER_COLUMNS, render_html, render_markdown, report_plots
 from .run import run_report
-from .settings import DEFAULT_SCHEMES, TIE_RATIO, TWINS, ReportSettings, check_settings, gated_only
+from .seeds import run_seeds_report
+from .settings import DEFAULT_SCHEMES, TWINS, ReportSettings, check_settings, gated_only
 
-__all__ = ["Artifacts", "CELL_COLUMNS", "DEFAULT_SCHEMES", "LAYER_COLUMNS", "ReportSettings", "TIE_RATIO", "TWINS",
+__all__ = ["Artifacts", "CELL_COLUMNS", "DEFAULT_SCHEMES", "LAYER_COLUMNS", "ReportSettings", "TWINS",
            "build_report", "check_settings", "conclusion", "gated_only", "render_html", "render_markdown",
-           "report_plots", "run_report", "score_cell"]
+           "report_plots", "run_report", "run_seeds_report", "score_cell"]

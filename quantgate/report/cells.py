@@ -72,14 +72,17 @@ def cached(path: Path, k: str, compute, label: str, timings: dict) -> dict:
     return d
 
 
-def _speed(runner, ids: list[int]) -> dict:
-    """The runners' one bench protocol (quantgate.runners.bench): one warm-up round, then medians."""
+def _speed(runner, ids: list[int], kv: str) -> dict:
+    """The runners' one bench protocol (quantgate.runners.bench): one warm-up round, then medians; with the KV-cache
+    type the timed runs used (`speed_kv`), which a cell's accuracy may have been scored with another of."""
     b = bench([runner], ids[:PREFILL], ids[PREFILL:BENCH_TOKENS], rounds=BENCH_ROUNDS, warmup=1)[0]
-    return {"prefill_tps": b["prefill_tps"], "decode_tps": b["decode_tps"]}
+    return {"prefill_tps": b["prefill_tps"], "decode_tps": b["decode_tps"], "speed_kv": kv,
+            "speed_protocol": f"prefill {PREFILL}, decode {BENCH_TOKENS - PREFILL}, median of {BENCH_ROUNDS} after 1 warm-up"}
 
 
 def _metrics(ev: dict) -> dict:
-    keys = ("ppl", "reference_ppl", "delta_ppl_pct", "kld_mean", "kld_p99", "top1_agreement", "n_tokens")
+    keys = ("ppl", "reference_ppl", "delta_ppl_pct", "kld_mean", "kld_p99", "top1_agreement", "n_tokens", "n_windows",
+            "kld_mean_ci95", "delta_ppl_pct_ci95", "top1_agreement_ci95", "per_window", "windows_id")
     return {k: ev[k] for k in keys}
 
 
@@ -90,7 +93,7 @@ def _calib(s: ReportSettings) -> CalibSettings:
 def torch_fp32_cell(model, ids: list[int]) -> dict:
     """The float reference of the torch rows: exact by definition, timed like every other cell."""
     return {"bits_per_weight": 32.0, "kld_mean": 0.0, "top1_agreement": 1.0, "delta_ppl_pct": 0.0,
-            **_speed(TorchRunner(model), ids)}
+            **_speed(TorchRunner(model), ids, "f32")}
 
 
 def torch_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, scheme: str, ids: list[int]) -> dict:
@@ -113,7 +116,7 @@ def onnx_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, sc
         art = arts.get(arts.root / "onnx" / f"{twin}-{scheme}", k, lambda p: quantize(fp32, sch, p, _calib(s)))
     ev = evaluate_model(str(art), s.data, s.ctx, max_windows=s.windows, reference=src, threads=s.threads)
     with OrtRunner(art, threads=s.threads) as r:
-        speed = _speed(r, ids)
+        speed = _speed(r, ids, "f32")
     n = load_checkpoint(src).model.num_params()
     size = onnx_bytes(art)
     return {**_metrics(ev), "bytes": size, "bits_per_weight": 8 * size / n, **speed, "artifact": str(art)}
@@ -132,9 +135,10 @@ def gguf_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, sc
         art = arts.get(root / f"{twin}-{scheme_file}.gguf", ident_key("gguf", k32, scheme_file),
                        lambda p: quantize(f32, sch, p, _calib(s), threads=s.threads))
     ev = evaluate_model(str(art), s.data, s.ctx, max_windows=s.windows, reference=src, kv_type=kv, threads=s.threads)
-    with LlamaRunner(art, n_ctx=max(s.ctx, BENCH_TOKENS), kv_type=kv if kv != "f32" else "f16", threads=s.threads,
+    speed_kv = kv if kv != "f32" else "f16"  # llama.cpp's default: what a user runs (scored at f32 for parity)
+    with LlamaRunner(art, n_ctx=max(s.ctx, BENCH_TOKENS), kv_type=speed_kv, threads=s.threads,
                      logits_all=False) as r:
-        speed = _speed(r, ids)
+        speed = _speed(r, ids, speed_kv)
     info = inspect_gguf(art)
     return {**_metrics(ev), "bytes": info.n_bytes, "bits_per_weight": info.bits_per_weight, "kv_type": kv,
             **speed, "artifact": str(art)}

@@ -12,24 +12,10 @@ import torch
 
 from .. import __version__
 from ..quant import SCHEMES, SCOPES, plain_of
-from .settings import TIE_RATIO, TWINS, ReportSettings, gated_only
-
-
-def sqnr_link(analysis: dict, cells: dict, twin: str) -> dict | None:
-    """Per Linear: W8A8-static output SQNR against that layer's input inf-norm, with their correlation."""
-    cell = cells.get(f"torch/{twin}/w8a8-static")
-    if not cell or not cell.get("layer_sqnr_db"):
-        return None
-    pts = []
-    for name, v in cell["layer_sqnr_db"].items():
-        li = analysis[twin]["linear_inputs"].get(name)
-        if li and v.get("output_db") is not None:
-            pts.append((name, li["max_abs"], v["output_db"]))
-    if len(pts) < 3:
-        return None
-    x, y = np.log10([p[1] for p in pts]), np.array([p[2] for p in pts])
-    return {"points": [{"linear": n, "inf_norm": a, "sqnr_db": b} for n, a, b in pts],
-            "pearson_log_infnorm_vs_sqnr": float(np.corrcoef(x, y)[0, 1])}
+from ..stats import LEVEL, MIN_UNITS, NOT_RESOLVED, RESAMPLES, SEED
+from .compare import DISAGREE, compare_cells, link_reading, sqnr_link
+from .settings import TWINS, ReportSettings, gated_only
+from .sinks import massive_summary, outlier_sentences, sink_summary, twin_outliers
 
 
 def layer_inputs(linear_inputs: dict, layer: int, kind: str = "full_attention") -> dict:
@@ -80,6 +66,57 @@ def _layer_row(rep: dict, l: dict) -> dict:
     return row
 
 
+def cell_failures(cells: dict) -> list[str]:
+    """Cells that failed or were skipped, named: a conclusion counts them, it never drops them silently."""
+    return [f"{k} ({c['error']})" for k, c in cells.items() if "error" in c]
+
+
+def twin_comparisons(cells: dict) -> dict:
+    """Every scheme both twins ran: the gated cell against the baseline's, paired over windows."""
+    out = {}
+    for key, cell in cells.items():
+        backend, twin, scheme = key.split("/")
+        if twin != "gated" or gated_only(backend, scheme) or scheme in ("fp32", "F16"):
+            continue
+        other = cells.get(f"{backend}/baseline/{scheme}")
+        if other is None:
+            continue
+        out[f"{backend}/{scheme}"] = ({"error": "a twin's cell failed"} if "error" in cell or "error" in other
+                                      else compare_cells(cell, other))
+    return out
+
+
+def gate_aware_comparisons(cells: dict) -> dict:
+    """Each gate-aware cell of the gated twin against the same scheme without its override."""
+    out = {}
+    for key, a in cells.items():
+        backend, twin, scheme = key.split("/")
+        sch = SCHEMES.get(f"{backend}:{scheme}")
+        if twin != "gated" or not gated_only(backend, scheme):
+            continue
+        p = cells.get(f"{backend}/gated/{plain_of(sch)}")
+        if p and "error" not in p and "error" not in a:
+            out[f"{backend}/{scheme}"] = {"plain": plain_of(sch), "scope": SCOPES[sch.keep.scope],
+                                          "bits": sch.keep.bits, **compare_cells(a, p, ("gate-aware", "plain"))}
+    return out
+
+
+def twin_outlier_summary(analysis: dict) -> dict:
+    outliers = {}
+    for t, rep in analysis.items():
+        L = rep["layers"]
+        bos = [l["bos_attention_mean"] for l in L if l.get("bos_attention_mean") is not None]  # attention layers
+        outliers[t] = {"max_abs": max(l["max_abs"] for l in L), "max_over_median": max(l["max_over_median"] for l in L),
+                       "bos_attention_max_layer_mean": max(bos) if bos else None,
+                       "bos_attention_layers": len(bos), "layers": len(L),
+                       "uniform_bos_share": rep["uniform_bos_share"],
+                       "sinks": sink_summary(rep), "massive": massive_summary(rep),
+                       "max_kurtosis": max(v["kurtosis"] for v in rep["linear_inputs"].values()),
+                       "max_linear_inf_norm": max(v["max_abs"] for v in rep["linear_inputs"].values()),
+                       "per_layer": [_layer_row(rep, l) for l in L]}
+    return outliers
+
+
 def build_report(s: ReportSettings, analysis: dict, cells: dict, timings: dict, plot_files: list,
                  memory: dict | None = None) -> dict:
     """report.json's dict. memory: twin -> its cache sizes (quantgate.info.cache_bytes), for the memory sentence."""
@@ -88,89 +125,92 @@ def build_report(s: ReportSettings, analysis: dict, cells: dict, timings: dict, 
         llama_version = llama_cpp.__version__
     except ImportError:
         llama_version = None
-    outliers = {}
-    for t, rep in analysis.items():
-        L = rep["layers"]
-        bos = [l["bos_attention_mean"] for l in L if l.get("bos_attention_mean") is not None]  # attention layers
-        outliers[t] = {"max_abs": max(l["max_abs"] for l in L), "max_over_median": max(l["max_over_median"] for l in L),
-                       "bos_attention_max_layer_mean": max(bos),
-                       "bos_attention_layers": len(bos), "layers": len(L),
-                       "uniform_bos_share": rep["uniform_bos_share"],
-                       "max_kurtosis": max(v["kurtosis"] for v in rep["linear_inputs"].values()),
-                       "max_linear_inf_norm": max(v["max_abs"] for v in rep["linear_inputs"].values()),
-                       "per_layer": [_layer_row(rep, l) for l in L]}
     rep = {"quantgate_version": __version__, "settings": asdict(s), "created": time.strftime("%Y-%m-%d %H:%M:%S"),
            "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                        "python": platform.python_version()},
            "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
                         "llama_cpp_python": llama_version},
+           "statistics": {"method": "paired percentile bootstrap", "unit": "held-out window", "level": LEVEL,
+                          "resamples": RESAMPLES, "seed": SEED},
            "cells": {k: {kk: vv for kk, vv in v.items() if kk != "layer_sqnr_db"} for k, v in cells.items()},
-           "outliers": outliers, "link": {t: sqnr_link(analysis, cells, t) for t in TWINS}, "timings_s": timings,
-           **({"memory": memory} if memory else {})}
+           "comparisons": twin_comparisons(cells), "gate_aware": gate_aware_comparisons(cells),
+           "failed_cells": cell_failures(cells),
+           "outliers": twin_outlier_summary(analysis),
+           "outlier_comparison": twin_outliers(analysis["baseline"], analysis["gated"]),
+           "link": {t: sqnr_link(analysis[t], cells.get(f"torch/{t}/w8a8-static")) for t in TWINS},
+           "timings_s": timings, **({"memory": memory} if memory else {})}
     rep["conclusion"] = conclusion(rep)
     return rep
 
 
+def _ci(ci, spec: str, units: str = "windows") -> str:
+    return f" [{ci[0]:{spec}}, {ci[1]:{spec}}]" if ci else f" [no interval: fewer than {MIN_UNITS} {units}]"
+
+
+def comparison_line(name: str, c: dict, a: dict, b: dict) -> str:
+    """One scheme's twin comparison: each measure with its interval, then what they resolve."""
+    if "error" in c:
+        return f"{name}: not compared ({c['error']})."
+    kld = (f"KLD baseline {b['kld_mean']:.5f} vs gated {a['kld_mean']:.5f}, gated/baseline "
+           f"{c['kld_ratio']:.2f}{_ci(c['kld_ratio_ci95'], '.2f')}")
+    ppl = (f"delta ppl {b['delta_ppl_pct']:+.2f}% vs {a['delta_ppl_pct']:+.2f}%, difference "
+           f"{c['delta_ppl_diff']:+.2f}{_ci(c['delta_ppl_diff_ci95'], '+.2f')} points")
+    v = c["verdict"]
+    if v == DISAGREE:
+        reading = (f"KLD and perplexity disagree (by KLD the {c['kld_verdict']} twin loses less, by delta "
+                   f"perplexity the {c['ppl_verdict']} twin)")
+    elif v == NOT_RESOLVED:
+        reading = "not resolved (both intervals hold no difference)"
+    elif c["kld_verdict"] == c["ppl_verdict"]:
+        reading = f"the {v} twin loses less by both measures"
+    else:
+        which = "KLD" if c["kld_verdict"] != NOT_RESOLVED else "delta perplexity"
+        other = "delta perplexity" if which == "KLD" else "KLD"
+        reading = f"the {v} twin loses less by {which}; {other} does not resolve a difference"
+    return f"{name}: {reading} ({kld}; {ppl})."
+
+
 def conclusion(rep: dict) -> list[str]:
-    """Sentences written from the numbers: nothing here is fixed wording that could contradict them."""
-    lines = []
+    """Sentences written from the numbers and their intervals: a difference is named only where its 95% interval
+    excludes none; nothing here is fixed wording that could contradict them."""
     o = rep["outliers"]
-    b, g = o["baseline"], o["gated"]
-    ratio = b["max_abs"] / g["max_abs"]
-    lines.append(f"Largest residual activation: baseline {b['max_abs']:.1f} vs gated {g['max_abs']:.1f} "
-                 f"({ratio:.2f}x); largest max/median ratio {b['max_over_median']:.1f} vs {g['max_over_median']:.1f}.")
-    uni = b["uniform_bos_share"]
-    sink = "none of either twin's layers is an attention sink" if max(b["bos_attention_max_layer_mean"],
-                                                                    g["bos_attention_max_layer_mean"]) < 0.2 \
-        else "at least one layer puts most of its attention on BOS"
-    hybrid = b.get("bos_attention_layers", b.get("layers")) != b.get("layers")
-    where = f" (the {b['bos_attention_layers']} full-attention layers of {b['layers']}; Gated DeltaNet layers have " \
-            f"no attention to read)" if hybrid else ""
-    lines.append(f"Attention on BOS, worst layer (head mean){where}: baseline {b['bos_attention_max_layer_mean']:.3f} "
-                 f"vs gated {g['bos_attention_max_layer_mean']:.3f} (uniform {uni:.3f}): {sink}.")
+    lines = outlier_sentences(o, rep.get("outlier_comparison") or {})
+    hybrid = any(x.get("bos_attention_layers", x.get("layers")) != x.get("layers") for x in o.values())
     mem = rep.get("memory") or {}
     if hybrid and mem.get("gated"):
         m = mem["gated"]
         lines.append(f"Memory per sequence (gated twin): {m['kv_cache_bytes_per_token']:,} bytes of fp16 KV cache per "
                      f"token on the full-attention layers, plus a fixed {m['recurrent_state_bytes']:,}-byte recurrent "
                      f"state for the Gated DeltaNet layers, whatever the length.")
-    wins = {"baseline": 0, "gated": 0, "tie": 0}
-    for key, cell in rep["cells"].items():
-        backend, twin, scheme = key.split("/")
-        if twin != "gated" or gated_only(backend, scheme) or scheme in ("fp32", "F16"):
-            continue
-        other = rep["cells"].get(f"{backend}/baseline/{scheme}")
-        if not other or other.get("kld_mean") is None or cell.get("kld_mean") is None:
-            continue
-        kb, kg = other["kld_mean"], cell["kld_mean"]
-        if kb <= 0 or kg <= 0:
-            continue
-        ratio = max(kb, kg) / min(kb, kg)
-        better = "tie" if ratio < TIE_RATIO else "gated" if kg < kb else "baseline"
-        wins[better] += 1
-        verdict = (f"the twins lose the same within {TIE_RATIO - 1:.0%}" if better == "tie"
-                   else f"the {better} twin loses less")
-        lines.append(f"{backend} {scheme}: {verdict} (KLD {kb:.5f} baseline vs {kg:.5f} gated, "
-                     f"{ratio:.2f}x; delta ppl {other['delta_ppl_pct']:+.2f}% vs {cell['delta_ppl_pct']:+.2f}%).")
-    for key, a in rep["cells"].items():  # each gate-aware cell beside the same scheme without its override
-        backend, twin, scheme = key.split("/")
-        sch = SCHEMES.get(f"{backend}:{scheme}")
-        aware = twin == "gated" and gated_only(backend, scheme)
-        p = rep["cells"].get(f"{backend}/gated/{plain_of(sch)}") if aware else None
-        if p:
-            lines.append(f"{backend}: keeping {SCOPES[sch.keep.scope]} at {sch.keep.bits} bits under {plain_of(sch)} "
-                         f"changes the gated twin's KLD from {p['kld_mean']:.5f} to {a['kld_mean']:.5f}.")
-    total = sum(wins.values())
-    if total:
-        ties = f", {wins['tie']} within {TIE_RATIO - 1:.0%}" if wins["tie"] else ""
-        lines.insert(2, f"Across {total} quantized configurations the gated twin loses less in {wins['gated']} and the "
-                        f"baseline in {wins['baseline']}{ties} (KL divergence against each twin's own float model).")
+    comps = rep.get("comparisons") or {}
+    cells = rep["cells"]
+    scored = {k: c for k, c in comps.items() if "error" not in c}
+    count = {v: sum(c["verdict"] == v for c in scored.values()) for v in ("gated", "baseline", NOT_RESOLVED, DISAGREE)}
+    if comps:
+        st = rep.get("statistics") or {}
+        failed = rep.get("failed_cells") or []
+        tail = f"; {len(failed)} cells failed or were skipped: {'; '.join(failed)}" if failed else ""
+        unpaired = len(comps) - len(scored)
+        lines.append(f"Across {len(comps)} quantized configurations both twins ran, with 95% intervals from a "
+                     f"{st.get('method', 'bootstrap')} over held-out windows: the gated twin loses less in "
+                     f"{count['gated']}, the baseline in {count['baseline']}, {count[NOT_RESOLVED]} not resolved, "
+                     f"{count[DISAGREE]} where KLD and perplexity disagree"
+                     + (f", {unpaired} not compared" if unpaired else "") + f"{tail}.")
+    for k, c in comps.items():
+        backend, scheme = k.split("/")
+        lines.append(comparison_line(f"{backend} {scheme}", c, cells.get(f"{backend}/gated/{scheme}", {}),
+                                     cells.get(f"{backend}/baseline/{scheme}", {})))
+    for k, c in (rep.get("gate_aware") or {}).items():
+        backend, scheme = k.split("/")
+        a, p = cells[f"{backend}/gated/{scheme}"], cells[f"{backend}/gated/{c['plain']}"]
+        v = {"gate-aware": "lower", "plain": "higher"}.get(c["kld_verdict"], "not resolved: the interval holds 1")
+        lines.append(f"{backend}: keeping {c['scope']} at {c['bits']} bits under {c['plain']} changes the gated twin's "
+                     f"KLD from {p['kld_mean']:.5f} to {a['kld_mean']:.5f} (ratio {c['kld_ratio']:.3f}"
+                     f"{_ci(c['kld_ratio_ci95'], '.3f')}: {v}).")
     for t, link in rep["link"].items():
         if link:
-            r = link["pearson_log_infnorm_vs_sqnr"]
-            reading = ("layers with larger inputs lose more signal to W8A8" if r < -0.3 else
-                       "layers with larger inputs keep more signal under W8A8, the opposite of the outlier story"
-                       if r > 0.3 else "no clear relation between input size and W8A8 error across layers")
-            lines.append(f"{t}: per-layer W8A8 output SQNR against the layer's input inf-norm: Pearson r = {r:+.2f} "
-                         f"(log10 inf-norm, {len(link['points'])} layers): {reading}.")
+            lines.append(f"{t}: W8A8-static output SQNR against the input's inf-norm, one point per distinct Linear "
+                         f"input ({len(link['points'])} inputs): Spearman {link['spearman']:+.2f}{_ci(link['spearman_ci95'], '+.2f', 'inputs')}, "
+                         f"Pearson on log10 inf-norm {link['pearson']:+.2f}{_ci(link['pearson_ci95'], '+.2f', 'inputs')} "
+                         f"(intervals: bootstrap over the inputs): {link_reading(link)}.")
     return lines

@@ -35,12 +35,36 @@ def _get(key: str) -> Callable[[dict], object]:
     return lambda row: row.get(key)
 
 
+def _interval(key: str, spec: str) -> Callable[[dict], object]:
+    return lambda row: f"[{row[key][0]:{spec}}, {row[key][1]:{spec}}]" if row.get(key) else None
+
+
+def _ratio(prefix: str, spec: str) -> Callable[[dict], object]:
+    """A comparison's point estimate and its interval in one cell."""
+    def value(row):
+        if row.get(prefix) is None:
+            return None
+        ci = row.get(f"{prefix}_ci95")
+        return f"{row[prefix]:{spec}}" + (f" [{ci[0]:{spec}}, {ci[1]:{spec}}]" if ci else "")
+    return value
+
+
+COMPARISON_COLUMNS = (  # the gated twin against the baseline, paired over the same windows
+    Column("backend", _get("backend")), Column("scheme", _get("scheme")),
+    Column("KLD gated/baseline [95%]", _ratio("kld_ratio", ".2f")),
+    Column("delta ppl gated - baseline, points [95%]", _ratio("delta_ppl_diff", "+.2f")),
+    Column("top-1 gated - baseline [95%]", _ratio("top1_diff", "+.4f")),
+    Column("by KLD", _get("kld_verdict")), Column("by ppl", _get("ppl_verdict")), Column("verdict", _get("verdict")),
+)
 CELL_COLUMNS = (
     Column("backend", _get("backend")), Column("scheme", _get("scheme")), Column("twin", _get("twin")),
     Column("bits/weight", _get("bits_per_weight"), ".2f"), Column("bytes", _get("bytes"), ","),
     Column("ppl", _get("ppl"), ".2f"), Column("delta ppl %", _get("delta_ppl_pct"), "+.2f"),
-    Column("KLD", _get("kld_mean"), ".5f"), Column("top-1", _get("top1_agreement"), ".4f"),
+    Column("95% interval", _interval("delta_ppl_pct_ci95", "+.2f")),
+    Column("KLD", _get("kld_mean"), ".5f"), Column("95% interval", _interval("kld_mean_ci95", ".5f")),
+    Column("top-1", _get("top1_agreement"), ".4f"), Column("KV scored", _get("kv_type")),
     Column("prefill tok/s", _get("prefill_tps"), ".0f"), Column("decode tok/s", _get("decode_tps"), ".0f"),
+    Column("KV timed", _get("speed_kv")),
     Column("gate mean abs diff", lambda r: (r.get("gate_survival") or {}).get("worst_mean_abs_diff"), ".5f"),
 )
 LAYER_COLUMNS = (  # o_proj: the mixer's output projection (a Gated DeltaNet layer's out_proj); gate: which one
@@ -61,6 +85,14 @@ def cell_rows(rep: dict) -> list[dict]:
     for key in sorted(rep["cells"], key=lambda k: (k.split("/")[0], k.split("/")[2], k.split("/")[1])):
         backend, twin, scheme = key.split("/")
         rows.append({"backend": backend, "scheme": scheme, "twin": twin, **rep["cells"][key]})
+    return rows
+
+
+def comparison_rows(rep: dict) -> list[dict]:
+    rows = []
+    for key, c in (rep.get("comparisons") or {}).items():
+        backend, scheme = key.split("/")
+        rows.append({"backend": backend, "scheme": scheme, **({"verdict": c["error"]} if "error" in c else c)})
     return rows
 
 
@@ -86,11 +118,22 @@ def _setting_line(rep: dict) -> str:
             f"`{s['data']}`, {s['windows']} held-out windows x {s['ctx']} tokens.")
 
 
+def _stats_line(rep: dict) -> str:
+    st = rep.get("statistics") or {}
+    return (f"Intervals: {st.get('level', 0.95):.0%}, {st.get('method', 'bootstrap')}, unit: one {st.get('unit', 'window')}"
+            f" ({st.get('resamples', '?')} resamples, seed {st.get('seed', 0)}). A verdict names a twin only where "
+            "the interval excludes no difference. Speed: every cell by the runners' one protocol (each cell's "
+            "speed_protocol in report.json), cells timed one after another; `KV timed` is the cache the speed runs "
+            "used, `KV scored` the one accuracy was scored with where they differ.")
+
+
 def render_markdown(rep: dict) -> str:
     s = rep["settings"]
     lines = [f"# quantgate report: {s['baseline']} vs {s['gated']}", "", _setting_line(rep), "", "## Conclusion", ""]
     lines += [f"- {c}" for c in rep["conclusion"]]
     lines += ["", "## How the twins were trained", ""] + [f"- {t}" for t in training_lines(rep)]
+    lines += ["", "## The twins compared (gated against baseline, same windows)", "", _stats_line(rep), ""]
+    lines += markdown_table(COMPARISON_COLUMNS, comparison_rows(rep))
     lines += ["", "## Accuracy, size and speed", ""] + markdown_table(CELL_COLUMNS, cell_rows(rep))
     lines += ["", "## Outliers per layer", ""]
     for t, o in rep["outliers"].items():
@@ -123,6 +166,8 @@ font-size:13px}}td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}i
 <p>{setting}</p>
 <h2>Conclusion</h2><ul>{concl}</ul>
 <h2>How the twins were trained</h2><ul>{trained}</ul>
+<h2>The twins compared (gated against baseline, same windows)</h2><p>{html.escape(_stats_line(rep))}</p>
+{html_table(COMPARISON_COLUMNS, comparison_rows(rep))}
 <h2>Accuracy, size and speed</h2>{html_table(CELL_COLUMNS, cell_rows(rep))}
 <h2>Outliers per layer</h2>{outl}
 <h2>Plots</h2>{imgs}
@@ -164,9 +209,9 @@ def report_plots(rep: dict, out_dir: Path) -> list[Path]:
             link = rep["link"].get(twin)
             if link:
                 ax.scatter([p["inf_norm"] for p in link["points"]], [p["sqnr_db"] for p in link["points"]], c=color,
-                           label=f"{twin} (r = {link['pearson_log_infnorm_vs_sqnr']:+.2f})", s=18)
+                           label=f"{twin} (Spearman {link['spearman']:+.2f})", s=18)
         ax.set(xscale="log", xlabel="linear-layer input inf-norm (max |x|)", ylabel="W8A8-static output SQNR (dB)",
-               title="larger activations, larger quantization error?")
+               title="larger activations, larger quantization error?\n(one point per distinct Linear input)")
         ax.legend(fontsize=8)
         paths.append(save_figure(fig, out_dir / "sqnr_vs_infnorm.png"))
     return paths

@@ -21,9 +21,10 @@ def _check_twins(s: ReportSettings) -> dict:
     if loaded["baseline"].model.cfg.gate != "none" or loaded["gated"].model.cfg.gate == "none":
         raise QuantgateError("--models takes the baseline (no gate) first, then the gated twin")
     types = [loaded[t].model.cfg.layer_types or ("full_attention",) * loaded[t].model.cfg.n_layers for t in TWINS]
-    if types[0] != types[1]:
+    if types[0] != types[1] and not s.unpaired:
         raise QuantgateError("the twins must have the same layers (a hybrid baseline beside a hybrid gated twin, or two "
-                             "all-attention twins); these differ in layer_types")
+                             "all-attention twins); these differ in layer_types (pass --unpaired to compare two models "
+                             "that are not twins, such as Qwen3 beside Qwen3.5)")
     if loaded["baseline"].tokenizer is None or loaded["gated"].tokenizer is None:
         raise QuantgateError("both twins need a tokenizer.json")
     for t in TWINS:
