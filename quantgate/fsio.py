@@ -33,12 +33,12 @@ MARKER = "quantgate.json"
 
 KINDS = {  # kind -> what a user calls it
     "checkpoint": "a model directory", "onnx": "an ONNX export", "run": "a training run",
-    "report": "a report folder", "demo": "a demo folder", "plots": "a plots folder",
+    "report": "a report folder", "demo": "a demo folder", "plots": "a plots folder", "seeds": "a multi-seed training run",
     "gguf": "a GGUF file", "analysis": "an analysis JSON file", "attribution": "an attribution JSON file",
 }
 FILE_KINDS = ("gguf", "analysis", "attribution")
 # Folders written piece by piece (resumable): quantgate writes into them and never replaces them whole.
-CONTAINERS = ("run", "report", "demo", "plots")
+CONTAINERS = ("run", "report", "demo", "plots", "seeds")
 # What quantgate writes, by name, inside its own piece-by-piece folders: those entries are its own to replace
 # whatever they hold (a folder from before the markers, say); anything else in there stays the user's.
 CONTAINER_ENTRIES = {

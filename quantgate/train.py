@@ -316,3 +316,23 @@ def train(tc: TrainConfig, out: str | Path, resume: bool = False) -> dict[str, P
         dist.barrier()
         dist.destroy_process_group()
     return outputs
+
+
+def train_seeds(tc: TrainConfig, out: str | Path, seeds: int, resume: bool = False) -> list[dict[str, Path]]:
+    """`seeds` twin pairs, seeds tc.seed .. tc.seed+seeds-1, each a run of its own in OUT/seed-K/ (K counts from 0).
+    With resume, finished pairs are kept and the first unfinished one continues from its checkpoint."""
+    if not tc.twins:
+        raise QuantgateError("--seeds trains twin pairs: add --twins")
+    out = Path(out)
+    check_output(out, "seeds", data_paths(tc.data))
+    claim_folder(out, "seeds")
+    runs = []
+    for k in range(seeds):
+        run = out / f"seed-{k}"
+        done = all((run / role / "config.json").is_file() for role in ("baseline", "gated"))
+        if resume and done:
+            runs.append({role: run / role for role in ("baseline", "gated")})
+            continue
+        started = (run / "state" / "train_state.pt").is_file()
+        runs.append(train(replace(tc, seed=tc.seed + k), run, resume=resume and started))
+    return runs
