@@ -40,17 +40,20 @@ def calibration_windows(tokenizer, calib_data: str, n_windows: int, ctx: int, se
 
 
 def eval_windows(ids: np.ndarray, ctx: int, bos_id: int, max_windows: int | None = None) -> np.ndarray:
-    """[N, ctx] int64: BOS + ctx-1 consecutive tokens per row, tail dropped."""
+    """[N, ctx] int64: BOS + ctx-1 consecutive tokens per row, tail dropped. With `max_windows` below the number the
+    text holds, that many windows evenly spaced over the whole text (in order), not the first ones: the first N
+    windows come from the first few files, and benchmarks/results/interval_width.json shows such a prefix moving
+    the twins' KLD ratio past its own bootstrap interval as more files come in."""
     if ctx < 2:
         raise QuantgateError(f"--ctx must be at least 2, got {ctx}")
     span = ctx - 1
     n = len(ids) // span
-    if max_windows is not None:
-        n = min(n, max_windows)
     if n == 0:
         raise QuantgateError(f"the evaluation text has {len(ids)} tokens, too short for one window of {ctx}")
     body = np.asarray(ids[: n * span], dtype=np.int64).reshape(n, span)
-    return np.concatenate([np.full((n, 1), bos_id, dtype=np.int64), body], axis=1)
+    if max_windows is not None and max_windows < n:
+        body = body[np.linspace(0, n - 1, max_windows).round().astype(np.int64)]
+    return np.concatenate([np.full((len(body), 1), bos_id, dtype=np.int64), body], axis=1)
 
 
 def check_ctx(ctx: int, context: int, model_path) -> None:

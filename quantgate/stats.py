@@ -20,8 +20,10 @@ LEVEL = 0.95
 RESAMPLES = 2000
 SEED = 0  # the bootstrap's own seed: the same numbers give the same interval on every run
 # Below this many windows (or points) no interval is given, so no verdict: in benchmarks/results/interval_width.json
-# an 8-window interval excluded the value 256 windows settled on (consecutive windows of one file are not
-# independent, and 8 units give the bootstrap little to resample); from 16 windows on, every interval held it.
+# the 8-window interval of a delta-perplexity difference excluded both the 16- and the 256-window estimates (8 units
+# give the bootstrap few distinct resamples). An interval covers the spread between the scored windows, not the
+# choice of text: that file's prefixes of 128 windows (few files) excluded the 256-window ratio in 2 of 3 schemes,
+# which is why evaluation spreads its windows over the whole split (calib_data.splits.eval_windows).
 MIN_UNITS = 16
 
 NOT_RESOLVED = "not resolved"

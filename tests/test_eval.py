@@ -87,6 +87,9 @@ def test_eval_windows_convention():
     assert (w[:, 0] == 0).all() and w[1, 1] == 15
     w2 = eval_windows(np.arange(10, 32), ctx=6, bos_id=0)
     assert w2.shape == (4, 6)  # 22 tokens: the incomplete tail (2 tokens) is dropped
+    w3 = eval_windows(ids, ctx=6, bos_id=0, max_windows=2)  # spread over the text, not its first two windows
+    assert (w3 == w[[0, 3]]).all()
+    assert (eval_windows(ids, ctx=6, bos_id=0, max_windows=9) == w).all()
 
 
 def test_token_nll_matches_log_softmax():
