@@ -2,14 +2,16 @@
 
 Within a seed the intervals resample windows (how sure one pair's numbers are); across seeds the unit is the
 trained pair (whether another training run would give the same answer). Across seeds we give the mean, the
-spread (min..max), a Student-t 95% interval of the mean, and how many seeds agree in sign; a verdict across seeds
-is named only where that interval excludes no difference.
+spread (min..max), a Student-t 95% interval of the mean (ratios on the log scale: geometric mean), and how many
+seeds agree in sign; a verdict across seeds is named only where that interval excludes no difference.
 """
 from __future__ import annotations
 
 import html
 from dataclasses import replace
 from pathlib import Path
+
+import numpy as np
 
 from ..fsio import atomic_file, check_output, claim_folder, write_json
 from ..stats import NOT_RESOLVED, across_seeds, direction
@@ -18,8 +20,21 @@ from .run import run_report
 from .settings import ReportSettings, check_settings
 
 
-def _across(values: list, null: float) -> dict:
-    a = across_seeds(values)
+def _across(values: list, null: float, ratio: bool = False) -> dict:
+    """across_seeds with the sign count against `null`; a ratio is averaged on the log scale (its mean is the
+    geometric mean and its interval stays positive)."""
+    vals = [v for v in values if v is not None and np.isfinite(v) and (v > 0 or not ratio)]
+    if ratio:
+        a = across_seeds(np.log(vals)) if vals else {"n": 0, "values": []}
+        for k in ("mean", "min", "max"):
+            if k in a:
+                a[k] = float(np.exp(a[k]))
+        if "ci95" in a:
+            a["ci95"] = [float(np.exp(x)) for x in a["ci95"]]
+        a["values"] = [float(v) for v in vals]
+        a["scale"] = "log (geometric mean)"
+    else:
+        a = across_seeds(vals)
     a["above"] = sum(v > null for v in a["values"])
     a["below"] = sum(v < null for v in a["values"])
     a["direction"] = direction(a.get("ci95"), null)
@@ -32,7 +47,7 @@ def aggregate(reports: list[dict]) -> dict:
     for key in reports[0].get("comparisons", {}):
         cs = [r["comparisons"].get(key, {}) for r in reports]
         ok = [c for c in cs if "error" not in c and c]
-        comps[key] = {"kld_ratio": _across([c["kld_ratio"] for c in ok], 1.0),
+        comps[key] = {"kld_ratio": _across([c["kld_ratio"] for c in ok], 1.0, ratio=True),
                       "delta_ppl_diff": _across([c["delta_ppl_diff"] for c in ok], 0.0),
                       "per_seed_verdicts": [c.get("verdict", c.get("error")) for c in cs]}
         d = comps[key]["kld_ratio"]["direction"]
@@ -46,7 +61,7 @@ def aggregate(reports: list[dict]) -> dict:
                    "sink_heads": across_seeds([(x.get("sinks") or {}).get("sink_heads") for x in o]),
                    "heads": (o[0].get("sinks") or {}).get("heads"), "uniform": o[0]["uniform_bos_share"]}
     diff = {"max_abs_ratio": _across([r["outliers"]["baseline"]["max_abs"] / r["outliers"]["gated"]["max_abs"]
-                                      for r in reports], 1.0),
+                                      for r in reports], 1.0, ratio=True),
             "worst_bos_diff": _across([(r["outliers"]["baseline"].get("sinks") or {}).get("worst", {}).get("share", 0)
                                        - (r["outliers"]["gated"].get("sinks") or {}).get("worst", {}).get("share", 0)
                                        for r in reports], 0.0)}
