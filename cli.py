@@ -242,7 +242,8 @@ def train(out, resume, compile_, seeds, **kw):
 @click.option("--ctx", type=CTX, default=256, show_default=True, help="window length, BOS included")
 @click.option("--split", type=click.Choice(["auto", "all", "train", "valid", "test"]), default="auto",
               show_default=True, help="auto: test split of the embedded corpus, whole text otherwise")
-@click.option("--max-windows", type=COUNT, default=None, help="evaluate at most N windows")
+@click.option("--max-windows", type=COUNT, default=None,
+              help="evaluate N windows spread evenly over the text (default: every window)")
 @click.option("--reference", type=MODEL, default=None,
               help="float model to compare against: adds KL divergence, top-1 agreement and the perplexity delta")
 @click.option("--torchao", type=click.Choice(["int8-dynamic", "int4-weight"]), default=None,

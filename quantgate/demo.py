@@ -26,11 +26,12 @@ from .report import ReportSettings, run_report, run_seeds_report
 from .train import TrainConfig, recorded, train, trajectory
 
 DEMO_RECIPES = {
-    # 800 steps x 8 x 256 (1.6M tokens per twin): what fits a 20-minute demo on 2 cores beside the report
-    # (benchmarks/results/small_twins_run.json times the whole command). lr 6e-3 and weight decay 0.5 come from
+    # 600 steps x 8 x 256 (1.2M tokens per twin): what fits a 20-minute demo on 2 cores beside the report
+    # (benchmarks/results/small_twins_run.json times the whole command; 800 steps with 64 report windows took
+    # 1357 s in the run before it, git history of that file). lr 6e-3 and weight decay 0.5 come from
     # benchmarks/demo_recipe.py, a search of four recipes at 1200 steps, one run each: they are that search's pick,
     # not a tuned optimum, and the demo's shorter run is not the run that was searched.
-    "full": dict(preset="small", steps=800, batch_size=8, ctx=256, lr=6e-3, warmup=100, weight_decay=0.5),
+    "full": dict(preset="small", steps=600, batch_size=8, ctx=256, lr=6e-3, warmup=100, weight_decay=0.5),
     "fast": dict(preset="tiny", steps=150, batch_size=8, ctx=128, lr=3e-3, warmup=20, weight_decay=0.1,
                  vocab_size=512, max_chars=2_000_000),
 }
@@ -61,7 +62,10 @@ DEMO_SCHEMES = {
     "onnx": ["fp32", "int8-dynamic", "int4", "int4+gate8"],
     "gguf": ["F16", "Q8_0", "Q4_K_M", "Q4_K_M+gate8", "kv-q4_0"],
 }
-TRAINED = ("state", "baseline", "gated")
+TRAINED = ("state", "baseline", "gated")  # what the train stage writes into the demo folder
+# held-out windows per report cell: half the report's default, to fit 20 minutes (benchmarks/results/
+# interval_width.json: the twins' KLD-ratio interval is 1.3-1.6x wider at 32 windows than at 64)
+DEMO_WINDOWS = 32
 
 # The sink lab (`quantgate demo --lab sinks`): twins trained on Guo et al.'s Bigram-Backcopy task
 # (calib_data.synthetic), whose small transformers grow attention sinks; recipe from benchmarks/sink_lab_recipe.py.
@@ -76,7 +80,7 @@ LAB_RECIPES = {
 LAB_SCHEMES = {"torch": ["w8a8-static", "w8a8-static-sink", "w4a16-g32", "kv-int4"]}  # W8A8 per-tensor static,
 # its sink-aware variant, INT4 weight-only and a 4-bit KV cache
 LAB_SEEDS = 3
-LAB_WINDOWS = 64  # held-out windows per cell and analysis windows per twin (benchmarks/results/interval_width.json)  # what the train stage writes into the demo folder
+LAB_WINDOWS = 64  # held-out windows per cell and analysis windows per twin (benchmarks/results/interval_width.json)
 
 
 def _recorded(path: Path) -> dict | None:
@@ -182,7 +186,7 @@ def run_demo(out: str | Path, fast: bool = False, gate: str = "elementwise", thr
     note = recipe_note("fast" if fast else "full", recipe)
     rep = run_report(ReportSettings(str(models["baseline"]), str(models["gated"]), str(out / "report"),
                                     schemes={k: list(v) for k, v in DEMO_SCHEMES.items()},
-                                    windows=16 if fast else 64, ctx=tc.ctx, calib_windows=8 if fast else 16,
+                                    windows=16 if fast else DEMO_WINDOWS, ctx=tc.ctx, calib_windows=8 if fast else 16,
                                     analysis_windows=16 if fast else 32, threads=threads, recipe_note=note))
     stages["report_s"] = round(time.time() - t, 1)
     for line in rep["conclusion"]:

@@ -154,3 +154,27 @@ def test_html_renders_its_plots_in_headless_chromium(report_run, tmp_path):
         return int((np.abs(px - np.array(rgb)).sum(1) < 40).sum())
     assert near((31, 119, 180)) > 500 and near((255, 127, 14)) > 500
     assert (px.sum(1) < 600).mean() > 0.02  # not a blank page: text, tables and plots drew something
+
+
+def test_unpaired_report_compares_models_that_tokenize_differently(tmp_path):
+    """Two models that are not twins (here: another tokenizer) are refused unless --unpaired; with it, each is
+    scored against its own float model and the comparison resamples each model's windows on its own."""
+    from quantgate.tokenizer import train_bpe
+    text = open(torch.__file__).read() * 3
+    (tmp_path / "text.txt").write_text(text)
+    base, gated = make_twins(preset("tiny", vocab_size=300, head_dim=32), "elementwise", seed=0)
+    save_checkpoint(base, tmp_path / "baseline", byte_tokenizer())
+    save_checkpoint(gated, tmp_path / "gated", train_bpe([text[:50000]], 300))
+    args = ["report", "--models", str(tmp_path / "baseline"), str(tmp_path / "gated"), "--data",
+            str(tmp_path / "text.txt"), "--backends", "torch", "--schemes", "torch:w8a8-static", "--windows", "16",
+            "--ctx", "64", "--calib-windows", "2", "--out", str(tmp_path / "rep")]
+    r = run_cli(*args, env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 2 and "--unpaired" in r.stderr and not (tmp_path / "rep").exists(), r.stderr
+    r = run_cli(*args, "--unpaired", env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    c = rep["comparisons"]["torch/w8a8-static"]
+    assert c["paired"] is False and c["kld_ratio_ci95"] is not None
+    line = next(x for x in rep["conclusion"] if x.startswith("torch w8a8-static:"))
+    assert "unpaired" in line
+    assert rep["outlier_comparison"] == {"paired": False}

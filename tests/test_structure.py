@@ -178,7 +178,7 @@ REPORT_MAY_USE = {
     "quantgate.runners.bench": {"bench"},
 }
 REPORT_PLUMBING = {"quantgate.calib_data", "quantgate.errors", "quantgate.fsio", "quantgate.identity",
-                   "quantgate.progress"}
+                   "quantgate.progress", "quantgate.stats"}  # stats: the intervals every comparison carries
 
 
 def test_the_report_imports_no_exporter_or_quantizer_internals():

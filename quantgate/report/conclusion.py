@@ -167,7 +167,8 @@ def comparison_line(name: str, c: dict, a: dict, b: dict) -> str:
         which = "KLD" if c["kld_verdict"] != NOT_RESOLVED else "delta perplexity"
         other = "delta perplexity" if which == "KLD" else "KLD"
         reading = f"the {v} twin loses less by {which}; {other} does not resolve a difference"
-    return f"{name}: {reading} ({kld}; {ppl})."
+    unpaired = "" if c.get("paired", True) else "; unpaired: the two models were scored on different windows"
+    return f"{name}: {reading} ({kld}; {ppl}{unpaired})."
 
 
 def conclusion(rep: dict) -> list[str]:

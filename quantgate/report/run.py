@@ -27,6 +27,10 @@ def _check_twins(s: ReportSettings) -> dict:
                              "that are not twins, such as Qwen3 beside Qwen3.5)")
     if loaded["baseline"].tokenizer is None or loaded["gated"].tokenizer is None:
         raise QuantgateError("both twins need a tokenizer.json")
+    a, b = (loaded[t].tokenizer for t in TWINS)
+    if a.tok.to_str() != b.tok.to_str() and not s.unpaired:
+        raise QuantgateError("the twins use different tokenizers, so their windows do not pair (pass --unpaired to "
+                             "compare two models that are not twins, such as Qwen3 beside Qwen3.5)")
     for t in TWINS:
         context = loaded[t].model.cfg.max_seq_len
         check_ctx(s.ctx, context, getattr(s, t))
