@@ -156,6 +156,7 @@ def test_html_renders_its_plots_in_headless_chromium(report_run, tmp_path):
     assert (px.sum(1) < 600).mean() > 0.02  # not a blank page: text, tables and plots drew something
 
 
+@pytest.mark.slow  # two report runs; the default step stays under its 25 minutes
 def test_unpaired_report_compares_models_that_tokenize_differently(tmp_path):
     """Two models that are not twins (here: another tokenizer) are refused unless --unpaired; with it, each is
     scored against its own float model and the comparison resamples each model's windows on its own."""
