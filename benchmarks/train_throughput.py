@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -110,7 +111,8 @@ def main() -> None:
         "twin_pair_step_s": round(pair_med, 4),
         "small_twin_run": {"recipe": recipe,
                            "projected_minutes": round(pair_med * recipe["steps"] / 60, 1)},
-        "machine": {"cpu_count": torch.get_num_threads(), "platform": platform.platform(),
+        "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "platform": platform.platform(),
                     "torch": torch.__version__},
     }
     print(json.dumps(result, indent=2))
