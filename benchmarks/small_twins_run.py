@@ -8,7 +8,7 @@ tokens/s and the held-out perplexities of both twins.
 
 `--fast` times `quantgate demo --fast` instead (tiny twins) and writes results/small_twins_run_fast.json;
 `--lab sinks` times `quantgate demo --lab sinks` (the sink lab's seeds and its report across them) and writes
-results/sink_lab_run.json.
+results/sinks_lab_run.json.
 """
 from __future__ import annotations
 
