@@ -74,6 +74,29 @@ class _Calibration:
         return next(self._it, None)
 
 
+def untie_lm_head(model) -> bool:
+    """A tied model's logits MatMul reads `Transpose(model.embed_tokens.weight)`, which no onnxruntime quantizer
+    touches (its B is not an initializer), so the largest matrix of a small model (151,936 x 1,024 at Qwen3-0.6B's
+    shape: 0.62 GB fp32, more than its int4 body) stayed fp32 and bounded decode. Give it its own initializer,
+    `model.lm_head.weight_T`, so every scheme quantizes it as it does an untied lm_head; the Gather keeps the float
+    table (one row per token). Returns whether the graph changed."""
+    from onnx import numpy_helper
+    inits = {t.name: t for t in model.graph.initializer}
+    for n in list(model.graph.node):
+        if n.op_type != "Transpose" or n.input[0] not in inits:
+            continue
+        users = [m for m in model.graph.node if n.output[0] in m.input]
+        if not users or any(m.op_type != "MatMul" or "lm_head" not in m.name for m in users):
+            continue
+        w = numpy_helper.to_array(inits[n.input[0]]).T
+        model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w), "model.lm_head.weight_T"))
+        for m in users:
+            m.input[:] = ["model.lm_head.weight_T" if x == n.output[0] else x for x in m.input]
+        model.graph.node.remove(n)
+        return True
+    return False
+
+
 def _weight_only(src: Path, dst: Path, bits: int, block_size: int, include=None, exclude=None) -> None:
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
@@ -137,30 +160,37 @@ def _run(path: Path, out_dir: Path, scheme: str, gate_bits, block_size: int, gat
 
     with atomic_dir(out_dir, "onnx") as tmp, tempfile.TemporaryDirectory() as work:
         dst = tmp / "model.onnx"
-        big = onnx_bytes(model_dir) > INLINE_LIMIT
+        src = path
+        graph = onnx.load(str(path))
+        if untie_lm_head(graph):  # quantize the tied logits matrix too (a copy; the export is not changed)
+            src = Path(work) / "untied" / "model.onnx"
+            src.parent.mkdir()
+            save_onnx(graph, src)
+        del graph
+        big = onnx_bytes(src.parent) > INLINE_LIMIT
         try:
             if scheme == "int8-dynamic":
-                quantize_dynamic(str(path), str(dst), op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8,
+                quantize_dynamic(str(src), str(dst), op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8,
                                  nodes_to_exclude=kept, use_external_data_format=big,
                                  extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT})
             elif scheme == "int8-static":
                 with OrtRunner(path) as runner:
                     reader = _Calibration(runner, windows)
-                quantize_static(str(path), str(dst), reader, quant_format=QuantFormat.QDQ,
+                quantize_static(str(src), str(dst), reader, quant_format=QuantFormat.QDQ,
                                 activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True,
                                 op_types_to_quantize=["MatMul"], calibrate_method=CalibrationMethod.MinMax,
                                 nodes_to_exclude=kept, use_external_data_format=big,
                                 extra_options={"MatMulConstBOnly": True})
             elif scheme == "int8-weight":
-                _weight_only(path, dst, 8, block_size, exclude=kept)
+                _weight_only(src, dst, 8, block_size, exclude=kept)
             else:
                 if gate_bits:
                     mid = Path(work) / "int4.onnx"
-                    _weight_only(path, mid, 4, block_size, exclude=gates + kept)
+                    _weight_only(src, mid, 4, block_size, exclude=gates + kept)
                     # nodes_to_include adds to what the quantizer takes (every float MatMul left), so exclude again
                     _weight_only(mid, dst, 8, block_size, include=gates, exclude=kept)
                 else:
-                    _weight_only(path, dst, 4, block_size, exclude=kept)
+                    _weight_only(src, dst, 4, block_size, exclude=kept)
         except (QuantgateError, OSError):
             raise
         except Exception as e:  # onnxruntime.quantization on a graph it cannot handle: one line, not its traceback

@@ -9,6 +9,7 @@ hand: ORT has no public function that turns these back into a float matrix.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +107,9 @@ def load_onnx_model(path):
         graph = onnx.load(str(onnx_path))
     except Exception as e:  # external data unreadable after check_graph passed: a torn file
         raise QuantgateError(f"{onnx_path}: cannot read its weights ({type(e).__name__})") from None
+    if cfg.tie_embeddings and any(t.name.startswith("model.lm_head.weight_T") for t in graph.graph.initializer):
+        # quantize_onnx gave a tied model's logits matrix its own (quantized) copy: read that one back
+        cfg = replace(cfg, tie_embeddings=False)
     model = Model(cfg)
     sd = {}
     for name, t in model.state_dict().items():
