@@ -1,7 +1,7 @@
 """Run an exported ONNX decoder in ONNX Runtime: logits for eval, KV-cache generation, speed.
 
 The CPU execution provider by default; the CUDA one when asked for and present (onnxruntime-gpu),
-with IOBinding so the cache stays on the device between steps. Every file is opened with onnx first,
+with IOBinding so the cache stays on the device between steps (on the CPU too, in ONNX Runtime's buffers). Every file is opened with onnx first,
 and its inputs and outputs are checked against the names the exporter writes, so a corrupt file or a
 foreign graph ends in one clear error.
 """
@@ -85,13 +85,17 @@ class OrtRunner:
             past = {k: ort.OrtValue.ortvalue_from_numpy(z, "cuda", self.cuda) for k, z in past.items()}
         return past
 
-    def step(self, ids: np.ndarray, past: dict, start: int) -> tuple[np.ndarray, dict]:
-        """Run ids [B, T] after `start` cached positions; returns (logits [B, T, V] fp32, next past)."""
+    def step(self, ids: np.ndarray, past: dict, start: int, bound: bool = False) -> tuple[np.ndarray, dict]:
+        """Run ids [B, T] after `start` cached positions; returns (logits [B, T, V] fp32, next past).
+
+        bound: the next past stays in ONNX Runtime's own buffers (OrtValues bound with IOBinding) instead of coming
+        back as numpy arrays, so a decode loop does not copy the whole cache through Python every step; the
+        generation and timing loops use it, calibration (which needs arrays) does not. CUDA always binds."""
         B, T = ids.shape
         feed = {"input_ids": ids.astype(np.int64), "attention_mask": np.ones((B, start + T), dtype=np.int64),
                 "position_ids": np.broadcast_to(np.arange(start, start + T, dtype=np.int64), (B, T)).copy(), **past}
         try:
-            if self.cuda is not None:
+            if self.cuda is not None or bound:
                 return self._step_bound(feed)
             outs = self.session.run(None, feed)
         except Exception as e:  # e.g. GroupQueryAttention's limits (several new tokens on a cache need batch 1)
@@ -101,7 +105,8 @@ class OrtRunner:
         return outs[0].astype(np.float32), present
 
     def _step_bound(self, feed: dict) -> tuple[np.ndarray, dict]:
-        """CUDA: IOBinding keeps present k/v on the device and feeds them back as the next past."""
+        """IOBinding: present k/v (and GDN states) stay where ONNX Runtime put them (the CUDA device, or its CPU
+        allocator) and are bound as the next step's past; only the logits come back as an array."""
         import onnxruntime as ort
         io = self.session.io_binding()
         for k, v in feed.items():
@@ -111,11 +116,14 @@ class OrtRunner:
                 io.bind_cpu_input(k, np.ascontiguousarray(v))
         io.bind_output("logits", "cpu")
         for n in self.out_names[1:]:
-            io.bind_output(n, "cuda", self.cuda)
+            if self.cuda is not None:
+                io.bind_output(n, "cuda", self.cuda)
+            else:
+                io.bind_output(n, "cpu")
         self.session.run_with_iobinding(io)
         outs = io.get_outputs()
         present = {past_name(n): v for n, v in zip(self.out_names[1:], outs[1:])}
-        return outs[0].numpy().astype(np.float32), present
+        return outs[0].numpy().astype(np.float32, copy=False), present
 
     def logits(self, windows: np.ndarray) -> np.ndarray:
         lg, _ = self.step(np.asarray(windows), self._empty_past(len(windows)), 0)
@@ -123,12 +131,12 @@ class OrtRunner:
 
     def prefill(self, ids: list[int]) -> np.ndarray:
         """An empty cache, then the prompt in one batch: the last position's logits (quantgate.sampling)."""
-        logits, self._past = self.step(np.asarray([ids]), self._empty_past(1), 0)
+        logits, self._past = self.step(np.asarray([ids]), self._empty_past(1), 0, bound=True)
         self._pos = len(ids)
         return logits[0, -1]
 
     def decode(self, token: int) -> np.ndarray:
-        logits, self._past = self.step(np.asarray([[token]]), self._past, self._pos)
+        logits, self._past = self.step(np.asarray([[token]]), self._past, self._pos, bound=True)
         self._pos += 1
         return logits[0, -1]
 
@@ -150,11 +158,11 @@ class OrtRunner:
         """Seconds to prefill `prefill_ids` in one batch from an empty cache, then decode `decode_ids` one at a
         time (the runners' bench protocol, quantgate.runners.bench)."""
         t0 = time.perf_counter()
-        _, past = self.step(np.asarray([prefill_ids]), self._empty_past(1), 0)
+        _, past = self.step(np.asarray([prefill_ids]), self._empty_past(1), 0, bound=True)
         t1 = time.perf_counter()
         pos = len(prefill_ids)
         for t in decode_ids:
-            _, past = self.step(np.asarray([[t]]), past, pos)
+            _, past = self.step(np.asarray([[t]]), past, pos, bound=True)
             pos += 1
         return t1 - t0, time.perf_counter() - t1
 
