@@ -419,7 +419,8 @@ def export_onnx_cmd(model, out, opset, graph, dtype):
 @click.option("--threads", type=THREADS, default=None)
 def generate(model, prompt, max_tokens, temperature, seed, kv_type, threads):
     """Stream a continuation of --prompt from MODEL (a .gguf run by llama.cpp, an ONNX export run by ONNX Runtime,
-    or a model directory run by PyTorch), then print prefill and decode speeds.
+    or a model directory run by PyTorch), then print prefill and decode speeds, and decode as a fraction of the
+    memory-bandwidth bound (bytes one decode step reads over this machine's read bandwidth, measured afterwards).
 
     The prompt and the new tokens share the model's context: a prompt that fills it is refused, and generation
     stops early (and says so) when the context is full."""
@@ -436,8 +437,11 @@ def generate(model, prompt, max_tokens, temperature, seed, kv_type, threads):
     if res.stopped_at_context:
         console.print(f"stopped after {res.new_tokens} new tokens: the model's context of {res.context} tokens is full",
                       markup=False, highlight=False)
+    bound = (f" ({res.fraction_of_bound:.0%} of the memory-bandwidth bound: {res.bytes_per_token / 1e6:.0f} MB read "
+             f"per token at {res.bandwidth_gbs:.1f} GB/s)" if res.bandwidth_gbs else "")
     console.print(f"[{res.backend}] prompt {res.prompt_tokens} tokens: prefill {res.prefill_tps:.1f} tok/s; "
-                  f"{res.new_tokens} new tokens: decode {res.decode_tps:.1f} tok/s", markup=False, highlight=False)
+                  f"{res.new_tokens} new tokens: decode {res.decode_tps:.1f} tok/s{bound}", markup=False,
+                  highlight=False)
 
 
 @main.command()

@@ -4,7 +4,9 @@ directory (PyTorch), each with its KV cache.
 The prompt is encoded without special tokens and BOS goes first, the convention of training and eval.
 Text is decoded incrementally as UTF-8, so a character split over two byte-level tokens prints whole.
 Prefill and decode speeds are reported separately: prefill is one batched pass over the prompt,
-decode one token per step.
+decode one token per step; decode also as a fraction of the machine's memory-bandwidth bound (the bytes one
+step reads over a read bandwidth measured on the spot, quantgate.bandwidth), which tells a laptop user whether a
+smaller file would decode faster.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from .bandwidth import gguf_decode_bytes, onnx_decode_bytes, read_bandwidth, torch_decode_bytes
 from .errors import QuantgateError
 from .formats import artifact_kind, load_checkpoint
 from .formats.gguf import check_finite_weights, inspect_gguf, open_reader, tokenizer_from_gguf
@@ -34,6 +37,9 @@ class GenerateResult:
     backend: str
     context: int = 0                 # the model's context in tokens (prompt and new tokens share it)
     stopped_at_context: bool = False  # fewer than --max-tokens because the context was full
+    bytes_per_token: float = 0.0     # what one decode step reads at the mean decode position
+    bandwidth_gbs: float = 0.0       # read bandwidth measured after generating (GB/s, every core)
+    fraction_of_bound: float = 0.0   # decode tok/s over bandwidth / bytes_per_token
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -125,5 +131,20 @@ def generate(model_path: str, prompt: str, max_tokens: int = 64, temperature: fl
             else:
                 new.append(rec.id)
                 prev = _emit_tail(tok, new, prev, pieces, on_text)
-    return GenerateResult("".join(pieces), len(ids), done.new_tokens, done.prefill_tps, done.decode_tps, backend,
-                          context, budget < max_tokens and done.new_tokens == budget)
+    res = GenerateResult("".join(pieces), len(ids), done.new_tokens, done.prefill_tps, done.decode_tps, backend,
+                         context, budget < max_tokens and done.new_tokens == budget)
+    if done.new_tokens > 1:  # decode speed is measured from the second new token on
+        reads = _decode_bytes(model_path, runner)
+        res.bytes_per_token = reads.at(len(ids) + done.new_tokens / 2)
+        res.bandwidth_gbs = read_bandwidth(256 << 20, repeats=3) / 1e9
+        res.fraction_of_bound = done.decode_tps * res.bytes_per_token / (res.bandwidth_gbs * 1e9)
+    return res
+
+
+def _decode_bytes(model_path: str, runner):
+    if isinstance(runner, LlamaRunner):
+        return gguf_decode_bytes(model_path, kv_bytes_per_value={"f32": 4, "f16": 2, "q8_0": 34 / 32,
+                                                                 "q4_0": 18 / 32}[runner.kv_type])
+    if isinstance(runner, OrtRunner):
+        return onnx_decode_bytes(model_path)
+    return torch_decode_bytes(runner.model)

@@ -20,7 +20,8 @@ class Timed(Protocol):
 
 def bench(runners: Sequence[Timed], prefill_ids: list[int], decode_ids: list[int], rounds: int = 3,
           warmup: int = 1) -> list[dict]:
-    """Per runner: median prefill and decode seconds over `rounds` alternated rounds, and tokens per second."""
+    """Per runner: median prefill and decode seconds over `rounds` alternated rounds, tokens per second, and every
+    round's seconds (round k of every runner ran back to back, so per-round ratios between runners pair up)."""
     if rounds < 1 or not decode_ids or not prefill_ids:
         raise ValueError("bench needs at least one round, one prompt token and one decode token")
     for r in runners:
@@ -34,5 +35,6 @@ def bench(runners: Sequence[Timed], prefill_ids: list[int], decode_ids: list[int
     for t in times:
         pre, dec = float(np.median([p for p, _ in t])), float(np.median([d for _, d in t]))
         out.append({"prefill_s": pre, "decode_s": dec, "prefill_tps": len(prefill_ids) / pre,
-                    "decode_tps": len(decode_ids) / dec, "rounds": rounds, "warmup": warmup})
+                    "decode_tps": len(decode_ids) / dec, "rounds": rounds, "warmup": warmup,
+                    "prefill_rounds_s": [p for p, _ in t], "decode_rounds_s": [d for _, d in t]})
     return out

@@ -149,6 +149,16 @@ class LlamaRunner:
         """Medians over `repeats` rounds of `time_round` (quantgate.runners.bench)."""
         return bench([self], prefill_ids, decode_ids, rounds=repeats, warmup=warmup)[0]
 
+    def peak_rss_bytes(self) -> int | None:
+        """The worker process's peak resident memory so far (Linux VmHWM), or None where /proc cannot tell."""
+        try:
+            for line in Path(f"/proc/{self._proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+        return None
+
     def close(self, at_once: bool = False) -> None:
         """Ask the worker to finish; `at_once` (an error or Ctrl-C in the parent, the worker possibly busy in a long
         llama.cpp call) kills it instead of waiting."""
