@@ -1,9 +1,9 @@
 """Run an exported ONNX decoder in ONNX Runtime: logits for eval, KV-cache generation, speed.
 
-The CPU execution provider by default; the CUDA one when asked for and present (onnxruntime-gpu),
-with IOBinding so the cache stays on the device between steps (on the CPU too, in ONNX Runtime's buffers). Every file is opened with onnx first,
-and its inputs and outputs are checked against the names the exporter writes, so a corrupt file or a
-foreign graph ends in one clear error.
+The CPU execution provider by default; the CUDA one when asked for and present (onnxruntime-gpu).
+Generation keeps the cache in ONNX Runtime's own buffers between steps with IOBinding (on the device, or
+on the CPU in its allocator). Every file is opened with onnx first, and its inputs and outputs are checked
+against the names the exporter writes, so a corrupt file or a foreign graph ends in one clear error.
 """
 from __future__ import annotations
 
