@@ -19,9 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
+import torch
+from onnx import helper
 
-EMBED_NAMES = ("token_embd.weight", "model.embed_tokens.weight", "embed_tokens.weight")
-
+from .formats import artifact_kind, load_checkpoint
+from .formats.gguf import inspect_gguf, open_reader
+from .formats.onnx_io import resolve_onnx
 
 def copy_bandwidth(n_bytes: int = 256 << 20, repeats: int = 5) -> float:
     """Median copy bandwidth in bytes/s over `repeats` copies of an `n_bytes` buffer (read + write counted), far
@@ -40,7 +44,6 @@ def copy_bandwidth(n_bytes: int = 256 << 20, repeats: int = 5) -> float:
 def read_bandwidth(n_bytes: int = 512 << 20, repeats: int = 5, threads: int | None = None) -> float:
     """Median read bandwidth in bytes/s: torch.sum over an `n_bytes` float32 buffer on `threads` threads (default:
     torch's own count), the access pattern of a decode step's weight reads."""
-    import torch
     x = torch.ones(n_bytes // 4, dtype=torch.float32)
     old = torch.get_num_threads()
     if threads:
@@ -75,7 +78,6 @@ class DecodeBytes:
 def gguf_decode_bytes(path: str | Path, kv_bytes_per_value: float = 2.0) -> DecodeBytes:
     """Per-token reads of a GGUF: every tensor but the token embedding (read whole when it is also the output,
     i.e. no output.weight), an F16 (default) KV cache over the attention layers, and the recurrent states (F32)."""
-    from .formats.gguf import inspect_gguf, open_reader
     reader = open_reader(path)
     sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
     tied = "output.weight" not in sizes
@@ -94,10 +96,6 @@ def onnx_decode_bytes(path: str | Path) -> DecodeBytes:
     """Per-token reads of an ONNX decoder: initializer bytes (from their shapes and types; external data is not
     loaded) except an embedding only a Gather reads, the fp32/fp16 KV cache of the attention layers, the GDN
     states."""
-    import onnx
-    from onnx import helper
-
-    from .formats.onnx_io import resolve_onnx
     model_path, _ = resolve_onnx(path)
     m = onnx.load(str(model_path), load_external_data=False)
     readers: dict[str, set[str]] = {}
@@ -136,7 +134,6 @@ def torch_decode_bytes(model) -> DecodeBytes:
 
 def decode_bytes_for(path: str | Path) -> DecodeBytes:
     """The right reader for a GGUF file, an ONNX export or a model directory."""
-    from .formats import artifact_kind, load_checkpoint
     kind = artifact_kind(path)
     if kind == "gguf":
         return gguf_decode_bytes(path)
