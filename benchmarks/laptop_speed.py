@@ -35,6 +35,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -357,7 +358,7 @@ def run_shape(name: str, work: Path, args, bandwidth: float, log) -> dict:
         group(f"llama.cpp Q4_K_M identity layer, {max(args.threads)} threads", opened,
               {r: gguf_decode_bytes(ggufs[("Q4_K_M", r)]) for r in roles})
     for p in ggufs.values():
-        p.unlink()
+        remove_own(p, work)
 
     # ONNX
     if is_hybrid and name in args.skip_onnx:
@@ -398,11 +399,33 @@ def run_shape(name: str, work: Path, args, bandwidth: float, log) -> dict:
             group(f"onnxruntime gqa int4 KV binding, {max(args.threads)} threads", opened,
                   {r: onnx_decode_bytes(dirs[("int4", "gated")]) for r in opened})
         for d in dirs.values():
-            subprocess.run(["rm", "-rf", str(d)], check=True)  # our own folders in our own work dir
+            remove_own(d, work)
     return out
 
 
 # --- results -----------------------------------------------------------------------------------------------------
+
+def remove_own(path: Path, work: Path) -> None:
+    """Delete a file or folder this script wrote, to free disk between groups: only inside its own temporary work
+    folder, never anything else."""
+    if not path.resolve().is_relative_to(work.resolve()):
+        raise RuntimeError(f"refusing to remove {path}: it is not inside the benchmark's work folder {work}")
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def check_out(out: Path) -> None:
+    """--out is replaced only when it is this benchmark's own result file (or does not exist yet)."""
+    if out.exists():
+        try:
+            ours = "shapes" in json.loads(out.read_text()) and "protocol" in json.loads(out.read_text())
+        except (ValueError, OSError):
+            ours = False
+        if not ours:
+            raise SystemExit(f"error: {out} exists and is not a laptop_speed result; choose another --out")
+
 
 def write(args) -> None:
     result = {"command": args.command, "machine": args.machine, "when": args.when, "protocol": args.protocol,
@@ -649,6 +672,7 @@ def main() -> None:
         tmp.replace(args.out)
         write_markdown(result, Path(args.out).with_suffix(".md"))
         return
+    check_out(Path(args.out))
     args.threads = [int(x) for x in args.threads.split(",")]
     args.command = "python benchmarks/laptop_speed.py " + " ".join(sys.argv[1:])
     args.machine = {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
@@ -687,7 +711,7 @@ def main() -> None:
             d = work / name
             d.mkdir()
             run_shape(name, d, args, bandwidth, log)
-            subprocess.run(["rm", "-rf", str(d)], check=True)
+            remove_own(d, work)
     args.bw["copy_gbs_end"] = copy_bandwidth() / 1e9
     args.bw["read_gbs_end"] = read_bandwidth(threads=max(args.threads)) / 1e9
     log(f"bandwidth at the end: copy {args.bw['copy_gbs_end']:.1f} GB/s, read {args.bw['read_gbs_end']:.1f} GB/s")
