@@ -24,6 +24,35 @@ import numpy as np
 from quantgate.sampling import NonFiniteLogits, Sampler, Token, stream
 
 
+def _without_amx_buffers(llama_cpp) -> bool:
+    """Keep llama.cpp's CPU weights out of its AMX buffer type on a CPU that has AMX (Xeon Sapphire Rapids and
+    later), where llama-cpp-python 0.3.36 built here (from PyPI, natively) segfaults in ggml_backend_amx_mul_mat on
+    the first matrix product of every quantized file (Q8_0, Q4_0, Q4_K_M, Q6_K; F32/F16 run). llama.cpp's switch
+    is the model parameter `use_extra_bufts`, which llama-cpp-python's Llama() does not expose, so its default
+    parameters are patched here, in the worker process only. Extra buffer types also hold the repacked Q4_0/Q4_K
+    layouts, so laptops (no AMX) keep them; QUANTGATE_LLAMA_EXTRA_BUFTS=1 keeps them on AMX too. Returns whether
+    the buffers were turned off."""
+    import os
+    if os.environ.get("QUANTGATE_LLAMA_EXTRA_BUFTS") == "1":
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    if " amx_int8" not in flags or b"AMX_INT8 = 1" not in llama_cpp.llama_print_system_info():
+        return False
+    low = llama_cpp.llama_cpp
+    default = low.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    low.llama_model_default_params = params
+    return True
+
+
 def _worker(conn, path: str, n_ctx: int, kv: int, flash: bool, threads: int, logits_all: bool, gpu: int) -> None:
     """Runs in the child: load the model, then answer requests until 'close' or EOF. gpu: -1 for the CPU, else
     the CUDA device every layer is offloaded to; kv: the KV cache's ggml_type id; flash: flash attention (llama.cpp
@@ -35,6 +64,7 @@ def _worker(conn, path: str, n_ctx: int, kv: int, flash: bool, threads: int, log
             conn.send(("error", f"--device cuda:{gpu}: this llama-cpp-python has no GPU backend (reinstall it with "
                                 f"CMAKE_ARGS=-DGGML_CUDA=on), so GGUF files run on the CPU only; drop --device"))
             return
+        _without_amx_buffers(llama_cpp)
         llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=logits_all,
                               n_threads=threads, n_threads_batch=threads, type_k=kv,
                               type_v=kv, flash_attn=flash, verbose=False,
