@@ -104,7 +104,12 @@ class QuantgateGroup(click.Group):
         signal.signal(signal.SIGTERM, _on_signal)
         signal.signal(signal.SIGINT, _on_signal)
         try:
-            return super().invoke(ctx)
+            result = super().invoke(ctx)
+            if ctx.invoked_subcommand in LONG_VERBS and not _listing(ctx):
+                from quantgate.memory import peak_line
+                from quantgate.progress import console
+                console.print(peak_line(), markup=False, highlight=False)  # stderr: JSON on stdout stays clean
+            return result
         except QuantgateError as e:
             if _signalled:
                 _stop(_signalled[0])
@@ -124,6 +129,15 @@ class QuantgateGroup(click.Group):
             if _signalled:  # the signal surfaced as another library's error: still an interruption
                 _stop(_signalled[0])
             raise
+
+
+# the verbs that end by printing their peak memory (to stderr): what a user sizing a machine for a model needs
+LONG_VERBS = {"train", "eval", "quantize", "export", "generate", "analyze", "attribute", "report", "demo"}
+
+
+def _listing(ctx) -> bool:
+    """`quantgate quantize --list` prints a table; no work, no memory line."""
+    return ctx.invoked_subcommand == "quantize" and any(a == "--list" for a in ctx.protected_args + ctx.args)
 
 
 @click.group(cls=QuantgateGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -379,11 +393,16 @@ def export():
 @click.option("--out", required=True, type=click.Path(), help="output .gguf file")
 @click.option("--outtype", type=click.Choice(["f32", "f16", "bf16"]), default="f32", show_default=True,
               help="type of the matrices (norms stay f32); quantize afterwards with `quantgate quantize`")
-def export_gguf_cmd(model, out, outtype):
+@click.option("--no-mtp", is_flag=True, help="leave out the checkpoint's multi-token-prediction head (kept by default, "
+              "as llama.cpp's converter keeps it: llama.cpp uses it for speculative decoding)")
+def export_gguf_cmd(model, out, outtype, no_mtp):
     """Write MODEL as a GGUF that stock llama.cpp runs: baseline -> qwen3; gated -> qwen35 with q and gate
-    interleaved in attn_q, so llama.cpp's own attention graph applies the gate."""
+    interleaved in attn_q, so llama.cpp's own attention graph applies the gate.
+
+    A model directory is streamed from its safetensors one tensor at a time (bf16 stays bf16), so the memory it
+    needs is set by its largest tensor, not by the model: a 9B checkpoint exports on a 24 GB machine."""
     from quantgate.export.gguf import export_checkpoint
-    _emit(export_checkpoint(model, out, outtype), False)
+    _emit(export_checkpoint(model, out, outtype, mtp=not no_mtp), False)
 
 
 @export.command("onnx")

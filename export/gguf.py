@@ -11,6 +11,7 @@ model (or the official gated layout) to qwen35; gguf-py does the file format.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import gguf
@@ -24,9 +25,11 @@ from quantgate.formats.gguf_layout import (BLOCK_TENSORS, GGUF_ARCHS, GLOBAL_TEN
                                            POST_ATTENTION_NORM, Q_TENSOR, QWEN2_SPLIT,
                                            SPLIT_PRE_TOKENIZERS, IdentityLayerShape, arch_of,
                                            expected_tensor_names, expected_tensor_shapes, gguf_arch,
-                                           gdn_to_gguf, identity_recurrent_layer, rope_sections)
+                                           gdn_to_gguf, identity_recurrent_layer, mtp_names, rope_sections)
+from quantgate.formats.hf import STORED_DTYPES, open_hf
 from quantgate.fsio import atomic_path, check_output
-from quantgate.model import Model
+from quantgate.model import Model, ModelConfig
+from quantgate.progress import track
 from quantgate.tokenizer import Tokenizer
 
 # the name tables and the identity layer live in quantgate.formats.gguf_layout (shared with the reader);
@@ -89,46 +92,97 @@ def tokenizer_fields(tok: Tokenizer, n_rows: int) -> dict:
 
 # --- tensors ---------------------------------------------------------------------------------------
 
-def gguf_tensors(model: Model) -> dict[str, torch.Tensor]:
-    """GGUF name -> fp32 tensor for the real layers (name tables of formats.gguf_layout)."""
-    cfg, sd = model.cfg, model.state_dict()
+def gguf_tensors(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(GGUF name, tensor) for the real layers, in the order they are written (name tables of
+    formats.gguf_layout), each computed from `sd` (our names) only when reached: `sd` is a model's state dict, a
+    checkpoint read tensor by tensor (formats.hf.CheckpointWeights), or the meta twin of either, whose tensors
+    give the shapes and dtypes a GGUF's tensor table needs before any data. Tensors keep the dtype `sd` gives."""
     arch = arch_of(cfg)
-    out = {}
     for ours, theirs in GLOBAL_TENSORS.items():
         if ours == "lm_head.weight" and cfg.tie_embeddings:
             continue
-        out[theirs] = sd[ours]
+        yield theirs, sd[ours]
     for i in range(cfg.n_layers):
         linear = cfg.layer_type(i) == "linear_attention"
         names = dict(BLOCK_TENSORS if linear else LAYER_TENSORS,
                      **{"post_attention_layernorm.weight": arch.post_attention_norm})
         for ours, theirs in names.items():
             key = f"layers.{i}.{ours}"
-            if key in sd:
-                out[f"blk.{i}.{theirs}"] = sd[key]
+            if key not in sd:
+                continue
+            t = sd[key]
+            if ours == "self_attn.o_proj.weight" and cfg.gate == "none" and cfg.is_hybrid:
+                t = 2 * t.float()  # a hybrid baseline goes to qwen35: sigmoid(0) = 1/2 on zero gate rows, undone here
+            yield f"blk.{i}.{theirs}", t
         if linear:
-            out.update(gdn_to_gguf(cfg, sd, i))
+            yield from gdn_to_gguf(cfg, sd, i).items()
             continue
+        q = sd[f"layers.{i}.self_attn.q_proj.weight"]
         g = sd.get(f"layers.{i}.self_attn.g_proj.weight")
-        if g is None and cfg.is_hybrid:  # a hybrid baseline goes to qwen35: sigmoid(0) = 1/2, undone by 2 * W_o
-            g = torch.zeros(cfg.n_heads * cfg.head_dim, cfg.dim)
-            out[f"blk.{i}.{LAYER_TENSORS['self_attn.o_proj.weight']}"] = 2 * sd[f"layers.{i}.self_attn.o_proj.weight"]
-        out[f"blk.{i}.{Q_TENSOR}"] = arch.fuse_q(sd[f"layers.{i}.self_attn.q_proj.weight"], g, cfg)
-    return {k: v.detach().float().contiguous() for k, v in out.items()}
+        if g is None and cfg.is_hybrid:
+            g = torch.zeros(cfg.n_heads * cfg.head_dim, cfg.dim, dtype=q.dtype, device=q.device)
+        yield f"blk.{i}.{Q_TENSOR}", arch.fuse_q(q, g, cfg)
+
+
+def mtp_tensors(ckpt, n_layers: int) -> list[tuple[str, Callable[[], torch.Tensor]]]:
+    """The checkpoint's multi-token-prediction head as llama.cpp's converter writes it (qwen35: `blk.{L+j}.*`, one
+    full-attention block after the trunk, plus its `nextn.*` projections and norms; MTP_TENSORS): (GGUF name, a
+    reader of the stored tensor with zero-centred norms + 1). Empty when the checkpoint has none."""
+    out = []
+    for their, gguf_name in mtp_names(ckpt.src.names(), ckpt.hf, n_layers).items():
+        # the converter's rule, on the name it maps to (enorm, hnorm, shared_head_norm, attn_norm, ...): + 1
+        plus_one = ckpt.layout.zero_centred_norms and gguf_name.endswith("norm.weight")
+        out.append((gguf_name, lambda meta=False, t=their, p=plus_one: _stored(ckpt, t, p, meta)))
+    return out
+
+
+def _stored(ckpt, theirs: str, plus_one: bool, meta: bool = False) -> torch.Tensor:
+    if meta:
+        shape, dtype = ckpt.src.header(theirs)
+        t = torch.empty(shape, dtype=STORED_DTYPES[dtype], device="meta")
+    else:
+        t = ckpt.src.get_stored(theirs)
+    return t.float() + 1.0 if plus_one else t
 
 
 # --- writer ----------------------------------------------------------------------------------------
 
-def _to_type(t: torch.Tensor, outtype: str, name: str):
+F16_MAX = 65504.0
+
+
+def _out_kind(t: torch.Tensor, outtype: str, name: str) -> str:
     """Matrices take the out type; 1-D tensors (norms, biases) and conv weights stay F32 as llama.cpp expects."""
-    a = t.numpy().astype(np.float32)
-    if a.ndim == 1 or outtype == "f32" or name.endswith("ssm_conv1d.weight"):  # llama.cpp's conv op takes F32 only
-        return a, None
-    if outtype == "f16":
-        if np.abs(a).max() > 65504:
+    if t.ndim == 1 or outtype == "f32" or name.endswith("ssm_conv1d.weight"):  # llama.cpp's conv op takes F32 only
+        return "f32"
+    return outtype
+
+
+def _spec(t: torch.Tensor, kind: str) -> tuple[tuple, np.dtype, int, gguf.GGMLQuantizationType | None]:
+    """(shape, numpy dtype, bytes, raw GGML type) of the tensor `t` becomes: gguf-py's add_tensor_info arguments."""
+    n = int(t.numel())
+    if kind == "f32":
+        return tuple(t.shape), np.dtype(np.float32), 4 * n, None
+    if kind == "f16":
+        return tuple(t.shape), np.dtype(np.float16), 2 * n, None
+    return tuple(t.shape), np.dtype(np.uint16), 2 * n, gguf.GGMLQuantizationType.BF16
+
+
+def _max_abs(t: torch.Tensor, chunk: int = 1 << 24) -> float:
+    flat = t.reshape(-1)
+    return max((float(flat[i:i + chunk].abs().max()) for i in range(0, flat.numel(), chunk)), default=0.0)
+
+
+def _data(t: torch.Tensor, kind: str, name: str) -> np.ndarray:
+    """The bytes written for `t`, converted straight from its dtype (a bf16 tensor never passes through fp32 on
+    its way to f16 or bf16). torch rounds to nearest even, as gguf-py's BF16 quantizer does."""
+    t = t.detach().contiguous()
+    if kind == "f32":
+        return t.float().numpy()
+    if kind == "f16":
+        if t.dtype != torch.float16 and _max_abs(t) > F16_MAX:
             raise QuantgateError(f"tensor {name} has values beyond the fp16 range; export with --outtype f32 or bf16")
-        return a.astype(np.float16), None
-    return gguf.quants.quantize(a, gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16
+        return t.to(torch.float16).numpy()
+    return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
 
 
 def export_gguf(model: Model, tokenizer: Tokenizer | None, out: str | Path, outtype: str = "f32",
@@ -139,15 +193,28 @@ def export_gguf(model: Model, tokenizer: Tokenizer | None, out: str | Path, outt
     identity_layers: how many identity recurrent layers a gated (qwen35) file gets. 1 is the workaround;
     0 reproduces llama.cpp's abort (tests use it to show the runner survives it); 2 lets the benchmark
     measure what one of them costs."""
+    if "quant_scheme" in model.cfg.extra:
+        raise QuantgateError("this model carries a simulated PyTorch quantization scheme; export the float model "
+                             "and quantize the GGUF with `quantgate quantize FILE.gguf --type ...`")
+    sd = model.state_dict()
+    meta = {k: torch.empty_like(v, device="meta") for k, v in sd.items()}
+    return write_gguf(model.cfg, sd, meta, tokenizer, out, outtype, source_layout, name, inputs, identity_shape,
+                      identity_layers)
 
-    cfg, out = model.cfg, Path(out)
+
+def write_gguf(cfg: ModelConfig, sd: Mapping, meta_sd: Mapping, tokenizer: Tokenizer | None, out: str | Path,
+               outtype: str = "f32", source_layout: str = "quantgate", name: str | None = None, inputs: tuple = (),
+               identity_shape: IdentityLayerShape | None = None, identity_layers: int = 1,
+               extra: list[tuple[str, Callable]] = (), n_extra_blocks: int = 0) -> Path:
+    """The one GGUF writer, streaming: the tensor table is laid out from `meta_sd` (shapes and dtypes only), then
+    each tensor is computed from `sd`, converted and written before the next is read, so the peak is set by the
+    largest tensor, not the model. `extra`: (name, reader) of tensors after the trunk (a checkpoint's MTP head,
+    `n_extra_blocks` blocks of it), each reader called as reader() for data and reader(meta=True) for its shape."""
+    out = Path(out)
     if outtype not in OUTTYPES:
         raise QuantgateError(f"unknown --outtype {outtype!r}; choose from {', '.join(OUTTYPES)}")
     if tokenizer is None:
         raise QuantgateError("the model has no tokenizer.json: a GGUF must embed its tokenizer")
-    if "quant_scheme" in cfg.extra:
-        raise QuantgateError("this model carries a simulated PyTorch quantization scheme; export the float model "
-                             "and quantize the GGUF with `quantgate quantize FILE.gguf --type ...`")
     if not cfg.qk_norm:
         raise QuantgateError("llama.cpp's qwen3/qwen35 graphs always apply QK-norm; models without it cannot be exported")
     arch = arch_of(cfg)
@@ -157,11 +224,17 @@ def export_gguf(model: Model, tokenizer: Tokenizer | None, out: str | Path, outt
     check_output(out, "gguf", inputs)
     pre = tokenizer_pre(tokenizer)
     tok = tokenizer_fields(tokenizer, cfg.vocab_size)
-    tensors = gguf_tensors(model)
     n_identity = identity_layers if arch.identity_layers and not cfg.is_hybrid else 0
     shape = identity_shape or IdentityLayerShape()
+    identity = {}
     for k in range(n_identity):
-        tensors.update(identity_recurrent_layer(cfg, shape, cfg.n_layers + k))
+        identity.update(identity_recurrent_layer(cfg, shape, cfg.n_layers + k))
+
+    def tensors(which: Mapping, meta: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from gguf_tensors(cfg, which)
+        yield from identity.items()
+        for tname, read in extra:
+            yield tname, read(meta=meta) if meta else read()
 
     with atomic_path(out, "gguf") as tmp:
         w = gguf.GGUFWriter(path=str(tmp), arch=arch.name)
@@ -172,7 +245,7 @@ def export_gguf(model: Model, tokenizer: Tokenizer | None, out: str | Path, outt
         w.add_uint32("quantgate.identity_layers", n_identity)
         w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                          "bf16": gguf.LlamaFileType.MOSTLY_BF16}[outtype])
-        n_blocks = cfg.n_layers + n_identity
+        n_blocks = cfg.n_layers + n_identity + n_extra_blocks
         w.add_context_length(cfg.max_seq_len)
         w.add_embedding_length(cfg.dim)
         w.add_block_count(n_blocks)
@@ -184,7 +257,7 @@ def export_gguf(model: Model, tokenizer: Tokenizer | None, out: str | Path, outt
         w.add_layer_norm_rms_eps(cfg.norm_eps)
         w.add_rope_freq_base(cfg.rope_theta)
         w.add_rope_dimension_count(cfg.rotary_dim)
-        arch.write_header(w, cfg, shape, n_identity)
+        arch.write_header(w, cfg, shape, n_identity, n_extra_blocks)
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(pre)
         w.add_token_list(tok["tokens"])
@@ -194,28 +267,62 @@ def export_gguf(model: Model, tokenizer: Tokenizer | None, out: str | Path, outt
         w.add_eos_token_id(cfg.eos_id)
         w.add_pad_token_id(cfg.pad_id)
         w.add_add_bos_token(False)  # callers put BOS in front themselves (one convention everywhere)
-        for tname, t in tensors.items():
-            data, raw = _to_type(t, outtype, tname)
-            w.add_tensor(tname, data, raw_dtype=raw)
+        kinds = []
+        for tname, t in tensors(meta_sd, meta=True):
+            kind = _out_kind(t, outtype, tname)
+            kinds.append((tname, kind))
+            tshape, dtype, nbytes, raw = _spec(t, kind)
+            w.add_tensor_info(tname, tshape, dtype, nbytes, raw_dtype=raw)
         w.write_header_to_file()
         w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        w.write_ti_data_to_file()
+        written = zip(tensors(sd, meta=False), kinds)
+        for (tname, t), (want, kind) in track(written, f"writing {out.name}", total=len(kinds), memory=True):
+            if tname != want:  # the two passes walk the same tables; a difference is a bug here
+                raise RuntimeError(f"internal error: tensor {tname} written where {want} was laid out")
+            w.write_tensor_data(_data(t, kind, tname))
+            del t
         w.close()
     return out
 
 
 def export_checkpoint(model_path: str | Path, out: str | Path, outtype: str = "f32",
-                      identity_shape: IdentityLayerShape | None = None, identity_layers: int = 1) -> dict:
-    """`quantgate export gguf`: load any layout the loader reads and write the GGUF. Returns a summary."""
-    if artifact_kind(model_path) == "gguf":
+                      identity_shape: IdentityLayerShape | None = None, identity_layers: int = 1,
+                      mtp: bool = True) -> dict:
+    """`quantgate export gguf`: write the GGUF of any layout the loader reads. A model directory is streamed from
+    its safetensors tensor by tensor (CheckpointWeights: bf16 stays bf16), so its size is bounded by the disk, not
+    the memory; its multi-token-prediction head, when it has one, is kept as llama.cpp's converter keeps it
+    (`mtp=False` drops it, the converter's --no-mtp). An ONNX export is read back into a model first. Returns a
+    summary."""
+    kind = artifact_kind(model_path)
+    if kind == "gguf":
         raise QuantgateError(f"{model_path} is already a GGUF; quantize it with `quantgate quantize FILE.gguf --type ...`")
     check_output(out, "gguf", (model_path,))
-    loaded = load_checkpoint(model_path)
-    cfg = loaded.model.cfg
-    export_gguf(loaded.model, loaded.tokenizer, out, outtype, source_layout=loaded.layout,
-                name=Path(model_path).name, inputs=(model_path,), identity_shape=identity_shape,
-                identity_layers=identity_layers)
+    if kind == "onnx":
+        loaded = load_checkpoint(model_path)
+        cfg, layout = loaded.model.cfg, loaded.layout
+        export_gguf(loaded.model, loaded.tokenizer, out, outtype, source_layout=layout, name=Path(model_path).name,
+                    inputs=(model_path,), identity_shape=identity_shape, identity_layers=identity_layers)
+        n_mtp = 0
+    else:
+        ckpt = open_hf(model_path)
+        cfg, layout = ckpt.cfg, ckpt.layout.name
+        if "quant_scheme" in cfg.extra:
+            raise QuantgateError("this model carries a simulated PyTorch quantization scheme; export the float model "
+                                 "and quantize the GGUF with `quantgate quantize FILE.gguf --type ...`")
+        extra = mtp_tensors(ckpt, cfg.n_layers) if mtp else []
+        n_mtp = mtp_blocks(extra, cfg.n_layers)
+        write_gguf(cfg, ckpt.weights(), ckpt.weights(meta=True), ckpt.tokenizer, out, outtype, source_layout=layout,
+                   name=Path(model_path).name, inputs=(model_path,), identity_shape=identity_shape,
+                   identity_layers=identity_layers, extra=extra, n_extra_blocks=n_mtp)
     info = inspect_gguf(out)
     return {"model": str(model_path), "out": str(out), "arch": info.arch, "gate": cfg.gate,
-            "source_layout": loaded.layout, "outtype": outtype, "layers": cfg.n_layers,
-            "identity_layers": info.n_blocks - info.n_layers, "bytes": info.n_bytes}
+            "source_layout": layout, "outtype": outtype, "layers": cfg.n_layers,
+            "identity_layers": info.n_blocks - info.n_layers - info.nextn_layers, "mtp_layers": info.nextn_layers,
+            "bytes": info.n_bytes}
+
+
+def mtp_blocks(extra: list, n_layers: int) -> int:
+    """How many blocks past the trunk the MTP tensors occupy (blk.{L+j}.*)."""
+    blocks = {int(name.split(".")[1]) for name, _ in extra}
+    return len(blocks)

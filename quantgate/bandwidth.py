@@ -79,10 +79,11 @@ def gguf_decode_bytes(path: str | Path, kv_bytes_per_value: float = 2.0) -> Deco
     """Per-token reads of a GGUF: every tensor but the token embedding (read whole when it is also the output,
     i.e. no output.weight), an F16 (default) KV cache over the attention layers, and the recurrent states (F32)."""
     reader = open_reader(path)
-    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    info = inspect_gguf(path)
+    mtp = tuple(f"blk.{i}." for i in range(info.n_blocks - info.nextn_layers, info.n_blocks))  # a draft's, not read
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors if not t.name.startswith(mtp or ("\0",))}
     tied = "output.weight" not in sizes
     weights = sum(b for n, b in sizes.items() if tied or n != "token_embd.weight")
-    info = inspect_gguf(path)
     n_attn = info.n_layers - len(info.recurrent_layers)
     kv = int(2 * n_attn * info.n_kv_heads * info.head_dim * kv_bytes_per_value)
     state = 0

@@ -1,7 +1,12 @@
 """`quantgate info`: what a model directory holds, without running it."""
 from __future__ import annotations
 
+import torch
+
 from .formats import artifact_kind, inspect_gguf, load_checkpoint
+from .formats.gguf import gguf_config, open_reader, tokenizer_from_gguf
+from .formats.hf import open_hf
+from .model import Model
 from .quant.simulate import block_bits_per_weight
 
 
@@ -16,19 +21,41 @@ def cache_bytes(cfg) -> dict:
             "recurrent_state_bytes": state}
 
 
-def model_info(path: str) -> dict:
-    loaded = load_checkpoint(path)
-    cfg = loaded.model.cfg
-    gguf = {}
-    if artifact_kind(path) == "gguf":
+def _header(path: str):
+    """(config, layout name, parameter count, tokenizer, file facts) of any artifact, from headers alone where the
+    format allows: a model directory's config.json and safetensors headers, a GGUF's metadata and tensor table
+    (nothing is dequantized, so `info` answers at once for a model of any size). An ONNX export is read back (its
+    config alone does not say how it was quantized); so is a quantgate-quantized directory, whose stored bits per
+    weight live in its wrapped Linears."""
+    kind = artifact_kind(path)
+    if kind == "gguf":
         g = inspect_gguf(path)
-        gguf = {"gguf": {"arch": g.arch, "file_type": g.file_type, "bytes": g.n_bytes,
-                         "bits_per_weight": round(g.bits_per_weight, 3), "exported_gate": g.gate,
-                         "source_layout": g.source_layout, "identity_layers": g.n_blocks - g.n_layers}}
-    quant = {}
-    if "quant_scheme" in cfg.extra:  # a quantgate-quantized checkpoint: the bits its Linears stored
-        quant = {"quantization": {"scheme": cfg.extra["quant_scheme"].get("name"),
+        reader = open_reader(path)
+        tok = tokenizer_from_gguf(reader)
+        cfg = gguf_config(g, {t.name for t in reader.tensors}, tok)
+        with torch.device("meta"):
+            n = Model(cfg).num_params()
+        facts = {"gguf": {"arch": g.arch, "file_type": g.file_type, "bytes": g.n_bytes,
+                          "bits_per_weight": round(g.bits_per_weight, 3), "exported_gate": g.gate,
+                          "source_layout": g.source_layout, "identity_layers": g.n_blocks - g.n_layers - g.nextn_layers,
+                          "mtp_layers": g.nextn_layers}}
+        return cfg, f"gguf:{g.arch}", n, tok, facts
+    if kind == "hf":
+        ckpt = open_hf(path)
+        if "quant_scheme" not in ckpt.cfg.extra:
+            facts = {"weights": {"stored_bytes": ckpt.stored_bytes(), "largest_tensor_bytes": ckpt.largest_tensor_bytes(),
+                                 "dtypes": ", ".join(sorted({ckpt.src.header(t)[1] for t in ckpt.plan}))}}
+            return ckpt.cfg, ckpt.layout.name, ckpt.num_params(), ckpt.tokenizer, facts
+    loaded = load_checkpoint(path)
+    facts = {}
+    if "quant_scheme" in loaded.model.cfg.extra:  # a quantgate-quantized checkpoint: the bits its Linears stored
+        facts = {"quantization": {"scheme": loaded.model.cfg.extra["quant_scheme"].get("name"),
                                   "block_bits_per_weight": block_bits_per_weight(loaded.model)}}
+    return loaded.model.cfg, loaded.layout, loaded.model.num_params(), loaded.tokenizer, facts
+
+
+def model_info(path: str) -> dict:
+    cfg, layout, n_params, tok, facts = _header(path)
     hybrid = {}
     if cfg.is_hybrid:  # which layers are Gated DeltaNet, and their shapes
         n_lin = cfg.layer_types.count("linear_attention")
@@ -41,14 +68,13 @@ def model_info(path: str) -> dict:
     skipped = cfg.extra.get("skipped_tensors")
     if skipped:
         hybrid["not_read"] = ", ".join(f"{part} ({n} tensors)" for part, n in sorted(skipped.items()))
-    return {**gguf, **quant,
-        "path": str(path), "layout": loaded.layout, "gate": cfg.gate,
-        "params": loaded.model.num_params(),
+    return {**facts,
+        "path": str(path), "layout": layout, "gate": cfg.gate,
+        "params": n_params,
         "dims": {"vocab": cfg.vocab_size, "dim": cfg.dim, "layers": cfg.n_layers, "heads": cfg.n_heads,
                  "kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "ffn": cfg.ffn_dim,
                  "rotary_dim": cfg.rotary_dim, "gate_rows": cfg.gate_dim},
         **hybrid, "rope_theta": cfg.rope_theta, "qk_norm": cfg.qk_norm, "tied_embeddings": cfg.tie_embeddings,
-        "tokenizer": None if loaded.tokenizer is None else
-        {"vocab": loaded.tokenizer.vocab_size, "bos_id": loaded.tokenizer.bos_id, "eos_id": loaded.tokenizer.eos_id},
+        "tokenizer": None if tok is None else {"vocab": tok.vocab_size, "bos_id": tok.bos_id, "eos_id": tok.eos_id},
         "provenance": cfg.extra,
     }

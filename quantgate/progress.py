@@ -5,8 +5,11 @@ import os
 import sys
 
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
+from rich.text import Text
+
+from .memory import rss_bytes
 
 console = Console(stderr=True, soft_wrap=True)  # long lines stay one line in logs
 
@@ -15,12 +18,20 @@ def enabled() -> bool:
     return os.environ.get("QUANTGATE_PROGRESS", "1") != "0" and sys.stderr.isatty()
 
 
+class MemoryColumn(ProgressColumn):
+    """This process's resident memory now: what a long export or eval holds while it runs."""
+
+    def render(self, task) -> Text:
+        return Text(f"RSS {rss_bytes() / 1e9:.1f} GB", style="progress.data.speed")
+
+
 def make_progress(*extra_columns) -> Progress:
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                     *extra_columns, TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
                     console=console, disable=not enabled(), transient=False)
 
 
-def track(iterable, description: str, total: int | None = None):
-    with make_progress() as p:
+def track(iterable, description: str, total: int | None = None, memory: bool = False):
+    """rich's track on stderr; `memory` adds the resident-memory column (streaming exports, layer-wise runs)."""
+    with make_progress(*((MemoryColumn(),) if memory else ())) as p:
         yield from p.track(iterable, description=description, total=total)

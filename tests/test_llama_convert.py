@@ -27,6 +27,7 @@ from quantgate.formats.gguf import open_reader
 from quantgate.model import hybrid, make_twins, preset
 from quantgate.runners import LlamaRunner
 from quantgate.tokenizer import train_bpe
+from test_streaming import with_mtp
 
 TF5 = os.environ.get("QUANTGATE_TF5_PYTHON") or transformers5_python()
 pytestmark = [pytest.mark.slow,  # fetches and unpacks the sdist, runs the converter: about a minute
@@ -35,7 +36,9 @@ pytestmark = [pytest.mark.slow,  # fetches and unpacks the sdist, runs the conve
 SCRIPT = Path(__file__).with_name("llama_convert.py")
 W = np.array([[0] + list(range(3, 40)), [0] + list(range(299, 262, -1))], dtype=np.int64)
 OURS_ONLY = ("quantgate.",)  # our provenance keys; general.* (names, size labels) are each writer's own
-CASES = {"gated-r2": (2, False, "gated"), "baseline-r1-tied": (1, True, "baseline")}
+# (value heads per key head, tied, twin, with an MTP head: kept by both writers, as the converter does without --no-mtp)
+CASES = {"gated-r2": (2, False, "gated", False), "baseline-r1-tied": (1, True, "baseline", False),
+         "gated-r2-mtp": (2, False, "gated", True)}
 
 
 def _sdist(tmp: Path) -> Path:
@@ -66,15 +69,18 @@ def converted(tmp_path_factory):
     src = _sdist(d / "sdist")
     tok = train_bpe(["def f(x):\n    return x * 2  # a small corpus for a real BPE\n" * 50], 300)
     jobs, models = [], {}
-    for case, (r, tied, role) in CASES.items():
+    for case, (r, tied, role, mtp) in CASES.items():
         cfg = hybrid(preset("tiny", vocab_size=300, n_layers=4, head_dim=32, tie_embeddings=tied),
                      value_heads_per_key_head=r)
         base, gated = make_twins(cfg, "elementwise", seed=0)
         m = {"baseline": base, "gated": gated}[role]
         randomize_(m, 3)
-        save_checkpoint(m.eval(), d / case, tok)
+        save_checkpoint(m.eval(), d / (case + "-trunk" if mtp else case), tok)
+        if mtp:
+            with_mtp(d / (case + "-trunk"), d / case, cfg)
         export_checkpoint(d / case, d / f"{case}-ours.gguf", "f32")
-        jobs.append([str(d / case), "--outfile", str(d / f"{case}-ref.gguf"), "--outtype", "f32", "--no-mtp"])
+        jobs.append([str(d / case), "--outfile", str(d / f"{case}-ref.gguf"), "--outtype", "f32",
+                     *([] if mtp else ["--no-mtp"])])
         models[case] = m
     (d / "jobs.json").write_text(json.dumps(jobs))
     r = subprocess.run([TF5, str(SCRIPT), str(src), str(d / "jobs.json")], capture_output=True, text=True, timeout=900)

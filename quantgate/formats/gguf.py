@@ -22,7 +22,8 @@ from ..errors import QuantgateError
 from ..model import Model, ModelConfig
 from ..quant.schemes import llama_file_type_name
 from ..tokenizer import Tokenizer
-from .gguf_layout import (BLOCK_TENSORS, GGUF_ARCHS, GLOBAL_TENSORS, LAYER_TENSORS, Q_TENSOR, SPLIT_PRE_TOKENIZERS,
+from .gguf_layout import (BLOCK_TENSORS, GGUF_ARCHS, GLOBAL_TENSORS, LAYER_TENSORS, MTP_OPTIONAL, Q_TENSOR,
+                          SPLIT_PRE_TOKENIZERS,
                           SUPPORTED_ARCHS, expected_tensor_names, expected_tensor_shapes, gdn_from_gguf)
 from .hf import Loaded, check_fits_in_memory
 
@@ -54,6 +55,7 @@ class GGUFInfo:
     tensor_types: dict[str, str] = field(default_factory=dict)
     metadata: dict = field(default_factory=dict)
     recurrent_layers: tuple[int, ...] = ()  # real layers that are Gated DeltaNet (a hybrid)
+    nextn_layers: int = 0  # multi-token-prediction blocks after the trunk (llama.cpp's speculative-decoding head)
     ssm: dict = field(default_factory=dict)  # their shapes: state, inner, heads, groups, conv (the ssm.* keys)
 
     @property
@@ -148,7 +150,8 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
                              f"(quantgate runs {', '.join(SUPPORTED_ARCHS)})")
     n_blocks = m.int(f"{arch}.block_count", hi=1 << 12)
     n_embd = m.int(f"{arch}.embedding_length", hi=1 << 17)
-    identity = m.int("quantgate.identity_layers", 0, lo=0, hi=n_blocks - 1)
+    nextn = m.int(f"{arch}.nextn_predict_layers", 0, lo=0, hi=n_blocks - 1)
+    identity = m.int("quantgate.identity_layers", 0, lo=0, hi=n_blocks - 1 - nextn)
     n_heads = m.int(f"{arch}.attention.head_count", hi=1 << 12)
     n_kv = m.int(f"{arch}.attention.head_count_kv", n_heads, hi=n_heads)
     if n_heads % n_kv:
@@ -162,11 +165,13 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
     rot = m.int(f"{arch}.rope.dimension_count", head_dim, hi=head_dim)
     if rot % 2:
         raise QuantgateError(f"{path}: rope.dimension_count {rot} is odd")
-    n_layers = n_blocks - identity
+    n_layers = n_blocks - identity - nextn
     flags = m.list(f"{arch}.attention.recurrent_layers", bool) or []
     recurrent = tuple(i for i, f in enumerate(flags[:n_layers]) if f)
+    if any(flags[n_layers + identity:]):
+        raise QuantgateError(f"{path}: {arch}.attention.recurrent_layers marks an MTP block recurrent")
     tensors = {t.name: t for t in reader.tensors}
-    _check_tensor_set(path, arch, n_layers, identity, set(tensors), n_blocks, recurrent)
+    _check_tensor_set(path, arch, n_layers, identity, set(tensors), n_blocks, recurrent, nextn)
     if flags and len(flags) != n_blocks:  # after the tensor set, which names a wrong block count more plainly
         raise QuantgateError(f"{path}: {arch}.attention.recurrent_layers lists {len(flags)} layers, block_count is "
                              f"{n_blocks}")
@@ -180,7 +185,7 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
                   ssm_heads=m.int(f"{arch}.ssm.time_step_rank", hi=1 << 12),
                   ssm_groups=m.int(f"{arch}.ssm.group_count", hi=1 << 12),
                   ssm_conv=m.int(f"{arch}.ssm.conv_kernel", hi=64))
-    _check_tensor_shapes(path, arch, n_layers, identity, tensors, hp, recurrent)
+    _check_tensor_shapes(path, arch, n_layers, identity, tensors, hp, recurrent, nextn)
     tokens = m.list("tokenizer.ggml.tokens", str)
     if tokens is None:
         raise QuantgateError(f"{path}: no embedded tokenizer (tokenizer.ggml.tokens)")
@@ -206,15 +211,17 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
         rope_base=m.float(f"{arch}.rope.freq_base", 10000.0),
         norm_eps=m.float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, hi=1.0),
         context_length=m.int(f"{arch}.context_length", 2048, hi=1 << 24), tensor_types=types, metadata=meta,
-        recurrent_layers=recurrent, ssm={k[4:]: v for k, v in hp.items() if k.startswith("ssm_")} if recurrent else {})
+        recurrent_layers=recurrent, nextn_layers=nextn, ssm={k[4:]: v for k, v in hp.items() if k.startswith("ssm_")} if recurrent else {})
 
 
 def _check_tensor_set(path: Path, arch: str, n_layers: int, identity: int, names: set[str], n_blocks: int,
-                      recurrent: tuple = ()) -> None:
+                      recurrent: tuple = (), nextn: int = 0) -> None:
     """The tensor table must hold exactly what the header's architecture and block count call for; a wrong
     tensor count in the header shows up here as a missing or nameless tensor."""
     optional = {f"blk.{i}.attn_{qk}_norm.weight" for i in range(n_layers) for qk in "qk"} | {"output.weight"}
-    expected = expected_tensor_names(arch, n_layers, tied=False, identity=identity, recurrent=recurrent)
+    expected = expected_tensor_names(arch, n_layers, tied=False, identity=identity, recurrent=recurrent, nextn=nextn)
+    mtp_extra = {f"blk.{n_layers + identity}.{n}" for n in MTP_OPTIONAL} if nextn else set()
+    expected, optional = expected | mtp_extra, optional | mtp_extra
     missing = sorted(expected - optional - names)
     extra = sorted(names - expected)
     if missing:
@@ -226,7 +233,7 @@ def _check_tensor_set(path: Path, arch: str, n_layers: int, identity: int, names
 
 
 def _check_tensor_shapes(path: Path, arch: str, n_layers: int, identity: int, tensors: dict, hp: dict,
-                         recurrent: tuple = ()) -> None:
+                         recurrent: tuple = (), nextn: int = 0) -> None:
     """Every tensor's shape must be what the header's hyperparameters imply (llama.cpp checks the same on load,
     but a failed check there can take the process down)."""
     def ggml_dims(dims) -> tuple:  # GGUF lists dims innermost first; ggml drops trailing dims of size 1
@@ -235,7 +242,7 @@ def _check_tensor_shapes(path: Path, arch: str, n_layers: int, identity: int, te
             dims.pop()
         return tuple(dims)
 
-    for name, shape in expected_tensor_shapes(arch, n_layers, identity, hp, recurrent).items():
+    for name, shape in expected_tensor_shapes(arch, n_layers, identity, hp, recurrent, nextn).items():
         t = tensors.get(name)
         if t is not None and ggml_dims(t.shape) != ggml_dims(reversed(shape)):
             got = tuple(int(d) for d in reversed(t.shape))
@@ -338,6 +345,32 @@ def _hf_tokenizer(tokens: list[str], types: list[int], merges: list, pre: str):
     return HFTokenizer.from_str(json.dumps(spec))
 
 
+def gguf_config(info: GGUFInfo, names: set[str], tok: Tokenizer) -> ModelConfig:
+    """Our ModelConfig for a GGUF, from its header and tensor names alone (`info` and the reader use it before a
+    weight is read)."""
+    first_attention = next(i for i in range(info.n_layers) if i not in info.recurrent_layers)
+    hybrid = {}
+    if info.recurrent_layers:
+        ssm = info.ssm
+        hybrid = dict(layer_types=tuple("linear_attention" if i in info.recurrent_layers else "full_attention"
+                                        for i in range(info.n_layers)),
+                      linear_key_heads=ssm["groups"], linear_value_heads=ssm["heads"], linear_key_dim=ssm["state"],
+                      linear_value_dim=ssm["inner"] // ssm["heads"], linear_conv_kernel=ssm["conv"])
+    try:
+        return ModelConfig(vocab_size=info.vocab_size, dim=info.n_embd, n_layers=info.n_layers, n_heads=info.n_heads,
+                           n_kv_heads=info.n_kv_heads, head_dim=info.head_dim, **hybrid,
+                           ffn_dim=info.ffn_dim, gate="none" if info.gate == "none" else GGUF_ARCHS[info.arch].read_gate,
+                           rope_theta=info.rope_base, partial_rotary=info.rotary_dim / info.head_dim,
+                           qk_norm=f"blk.{first_attention}.attn_q_norm.weight" in names,
+                           tie_embeddings="output.weight" not in names,
+                           norm_eps=info.norm_eps, max_seq_len=info.context_length,
+                           bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                           extra={"source_layout": f"gguf:{info.arch}", "gguf_file_type": info.file_type,
+                                  "exported_gate": info.gate})
+    except ValueError as e:
+        raise QuantgateError(f"{info.path}: {e}") from None
+
+
 def load_gguf_model(path: str | Path):
     """Our PyTorch Model from a GGUF, every tensor dequantized to fp32 (the inverse of the exporter).
 
@@ -350,26 +383,7 @@ def load_gguf_model(path: str | Path):
     arch = info.arch
     names = {t.name for t in reader.tensors}
     tok = tokenizer_from_gguf(reader)
-    first_attention = next(i for i in range(info.n_layers) if i not in info.recurrent_layers)
-    hybrid = {}
-    if info.recurrent_layers:
-        ssm = info.ssm
-        hybrid = dict(layer_types=tuple("linear_attention" if i in info.recurrent_layers else "full_attention"
-                                        for i in range(info.n_layers)),
-                      linear_key_heads=ssm["groups"], linear_value_heads=ssm["heads"], linear_key_dim=ssm["state"],
-                      linear_value_dim=ssm["inner"] // ssm["heads"], linear_conv_kernel=ssm["conv"])
-    try:
-        cfg = ModelConfig(vocab_size=info.vocab_size, dim=info.n_embd, n_layers=info.n_layers, n_heads=info.n_heads,
-                          n_kv_heads=info.n_kv_heads, head_dim=info.head_dim, **hybrid,
-                          ffn_dim=info.ffn_dim, gate="none" if info.gate == "none" else GGUF_ARCHS[arch].read_gate,
-                          rope_theta=info.rope_base, partial_rotary=info.rotary_dim / info.head_dim,
-                          qk_norm=f"blk.{first_attention}.attn_q_norm.weight" in names, tie_embeddings="output.weight" not in names,
-                          norm_eps=info.norm_eps, max_seq_len=info.context_length,
-                          bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                          extra={"source_layout": f"gguf:{arch}", "gguf_file_type": info.file_type,
-                                 "exported_gate": info.gate})
-    except ValueError as e:
-        raise QuantgateError(f"{path}: {e}") from None
+    cfg = gguf_config(info, names, tok)
     check_fits_in_memory(cfg, str(path))
     with torch.device("meta"):  # the tensors read below are assigned to it: the weights are held once
         model = Model(cfg)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, MODEL_TENSORS, TENSOR_NAMES
 
+from ..errors import QuantgateError
 from ..layouts import _fuse_interleaved, _split_interleaved
 from ..model import ModelConfig, rope_sections
 
@@ -68,6 +69,41 @@ GDN_TENSORS = {
 BLOCK_TENSORS = {k: v for k, v in LAYER_TENSORS.items() if not k.startswith("self_attn.")}
 LINEAR_TO_GGUF.update({f"linear_attn.{ours.removesuffix('.weight')}": theirs for ours, theirs in GDN_TENSORS.items()
                        if ours.startswith(("in_proj", "out_proj"))})
+
+
+# A checkpoint's multi-token-prediction head (Qwen3.5: `mtp.*`, beside the text model) as llama.cpp's converter
+# writes it (conversion/qwen.py, _QwenMtpMixin): `mtp.layers.{j}.*` is a full-attention decoder block, written as
+# block L + j with the trunk's tensor names (q_proj keeps its per-head [q | gate] rows); the projection and norms
+# that feed it become `blk.{L}.nextn.*`. Zero-centred norms take + 1 like the trunk's. llama.cpp loads it only for
+# speculative decoding (a draft context) and skips it otherwise.
+MTP_BLOCK_TENSORS = {"post_attention_layernorm.weight": tensor_name(MODEL_TENSOR.ATTN_POST_NORM),
+                     "self_attn.q_proj.weight": Q_TENSOR, **LAYER_TENSORS}
+MTP_NEXTN_TENSORS = {"fc.weight": tensor_name(MODEL_TENSOR.NEXTN_EH_PROJ),
+                     "pre_fc_norm_embedding.weight": tensor_name(MODEL_TENSOR.NEXTN_ENORM),
+                     "pre_fc_norm_hidden.weight": tensor_name(MODEL_TENSOR.NEXTN_HNORM),
+                     "norm.weight": tensor_name(MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM)}
+# in a file, optional beside those (llama.cpp: TENSOR_NOT_REQUIRED); quantgate does not write them
+MTP_OPTIONAL = (tensor_name(MODEL_TENSOR.NEXTN_EMBED_TOKENS), tensor_name(MODEL_TENSOR.NEXTN_SHARED_HEAD_HEAD))
+
+
+def mtp_names(names: set[str], hf: dict, n_layers: int) -> dict[str, str]:
+    """The checkpoint's MTP tensor -> its GGUF name (block n_layers + j); {} when the checkpoint has no MTP head.
+    A name under mtp.* that the tables do not know is refused: it would be dropped silently otherwise."""
+    out = {}
+    for name in sorted(names):
+        rest = name[len("model."):] if name.startswith("model.mtp.") else name
+        if not rest.startswith("mtp."):
+            continue
+        rest = rest[len("mtp."):]
+        parts = rest.split(".", 2)
+        if len(parts) == 3 and parts[0] == "layers" and parts[1].isdecimal() and parts[2] in MTP_BLOCK_TENSORS:
+            out[name] = f"blk.{n_layers + int(parts[1])}.{MTP_BLOCK_TENSORS[parts[2]]}"
+        elif rest in MTP_NEXTN_TENSORS:
+            out[name] = f"blk.{n_layers}.{MTP_NEXTN_TENSORS[rest]}"
+        else:
+            raise QuantgateError(f"tensor {name}: a multi-token-prediction tensor quantgate does not know how to "
+                                 f"write to GGUF (export with --no-mtp to leave the head out)")
+    return out
 
 
 def tiled_heads(cfg: ModelConfig) -> torch.Tensor:
@@ -195,8 +231,10 @@ class GgufArch:
     def split_q(self, q: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
         return q, None
 
-    def write_header(self, w, cfg: ModelConfig, shape: IdentityLayerShape, n_identity: int) -> None:
-        """The header keys only this architecture has (`w`: gguf-py's GGUFWriter)."""
+    def write_header(self, w, cfg: ModelConfig, shape: IdentityLayerShape, n_identity: int, n_mtp: int = 0) -> None:
+        """The header keys only this architecture has (`w`: gguf-py's GGUFWriter); `n_mtp` MTP blocks follow."""
+        if n_mtp:
+            raise QuantgateError(f"llama.cpp's {self.name} has no multi-token-prediction block")
 
 
 class Qwen3Arch(GgufArch):
@@ -232,7 +270,7 @@ class Qwen35Arch(GgufArch):
     def split_q(self, q: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
         return _split_interleaved(q, cfg)
 
-    def write_header(self, w, cfg: ModelConfig, shape: IdentityLayerShape, n_identity: int) -> None:
+    def write_header(self, w, cfg: ModelConfig, shape: IdentityLayerShape, n_identity: int, n_mtp: int = 0) -> None:
         w.add_rope_dimension_sections(rope_sections(cfg.rotary_dim))
         if cfg.is_hybrid:  # the real GDN layers' shapes (convert_hf_to_gguf.py's keys), no identity layer
             w.add_ssm_conv_kernel(cfg.linear_conv_kernel)
@@ -240,8 +278,13 @@ class Qwen35Arch(GgufArch):
             w.add_ssm_state_size(cfg.linear_key_dim)
             w.add_ssm_time_step_rank(cfg.linear_value_heads)
             w.add_ssm_group_count(cfg.linear_key_heads)
-            w.add_array(f"{self.name}.attention.recurrent_layers", [t == "linear_attention" for t in cfg.layer_types])
+            w.add_array(f"{self.name}.attention.recurrent_layers",
+                        [t == "linear_attention" for t in cfg.layer_types] + [False] * n_mtp)  # MTP: attention
+            if n_mtp:
+                w.add_nextn_predict_layers(n_mtp)
             return
+        if n_mtp:
+            raise QuantgateError("an MTP head is written only for hybrid (Qwen3.5) checkpoints")
         w.add_ssm_conv_kernel(shape.conv_kernel)
         w.add_ssm_inner_size(shape.inner)
         w.add_ssm_state_size(shape.state)
@@ -261,19 +304,24 @@ def arch_of(cfg: ModelConfig) -> GgufArch:
     return GGUF_ARCHS[gguf_arch(cfg)]
 
 
-def expected_tensor_names(arch: str, n_layers: int, tied: bool, identity: int, recurrent: tuple = ()) -> set[str]:
+def expected_tensor_names(arch: str, n_layers: int, tied: bool, identity: int, recurrent: tuple = (),
+                          nextn: int = 0) -> set[str]:
     """Every tensor a file of this shape holds (what the exporter writes and llama.cpp's loader wants); `recurrent`:
-    the real layers that are Gated DeltaNet (a hybrid)."""
+    the real layers that are Gated DeltaNet (a hybrid); `nextn`: MTP blocks after them (MTP_OPTIONAL aside)."""
     names = {GLOBAL_TENSORS["embed_tokens.weight"], GLOBAL_TENSORS["norm.weight"]}
     names |= set() if tied else {GLOBAL_TENSORS["lm_head.weight"]}
     per_layer = set(LAYER_TENSORS.values()) | {POST_ATTENTION_NORM[arch], Q_TENSOR}
     per_gdn = set(BLOCK_TENSORS.values()) | {POST_ATTENTION_NORM[arch]} | set(GDN_TENSORS.values())
     names |= {f"blk.{i}.{n}" for i in range(n_layers) for n in (per_gdn if i in recurrent else per_layer)}
     names |= {f"blk.{n_layers + k}.{n}" for k in range(identity) for n in IDENTITY_TENSORS}
+    first = n_layers + identity
+    names |= {f"blk.{first + j}.{n}" for j in range(nextn) for n in MTP_BLOCK_TENSORS.values()}
+    names |= {f"blk.{first}.{n}" for n in MTP_NEXTN_TENSORS.values()} if nextn else set()
     return names
 
 
-def expected_tensor_shapes(arch: str, n_layers: int, identity: int, hp: dict, recurrent: tuple = ()) -> dict[str, tuple]:
+def expected_tensor_shapes(arch: str, n_layers: int, identity: int, hp: dict, recurrent: tuple = (),
+                           nextn: int = 0) -> dict[str, tuple]:
     """Tensor name -> PyTorch-order shape ([out, in]) that the header's hyperparameters imply (`hp`: vocab, dim,
     heads, kv_heads, head_dim, ffn, and ssm_* for the identity layers): what the exporter writes, so a reader can
     refuse a file whose tensors disagree with its header before llama.cpp sees it."""
@@ -287,6 +335,11 @@ def expected_tensor_shapes(arch: str, n_layers: int, identity: int, hp: dict, re
             "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F)}
     per_layer = {LAYER_TENSORS[k]: sh for k, sh in ours.items()} | {POST_ATTENTION_NORM[arch]: (D,), Q_TENSOR: (q_rows, D)}
     shapes |= {f"blk.{i}.{n}": sh for i in range(n_layers) if i not in recurrent for n, sh in per_layer.items()}
+    first = n_layers + identity  # MTP blocks: attention blocks, and the projection of [embedding | hidden] into one
+    shapes |= {f"blk.{first + j}.{n}": sh for j in range(nextn) for n, sh in per_layer.items()}
+    if nextn:
+        shapes |= {f"blk.{first}.{n}": (D, 2 * D) if n == MTP_NEXTN_TENSORS["fc.weight"] else (D,)
+                   for n in MTP_NEXTN_TENSORS.values()}
     if identity or recurrent:  # a real GDN layer has the identity layer's shapes, which the ssm keys give
         shape = IdentityLayerShape(hp["ssm_state"], hp["ssm_inner"], hp["ssm_heads"], hp["ssm_groups"], hp["ssm_conv"])
         cfg = ModelConfig(vocab_size=V, dim=D, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=2, ffn_dim=F,

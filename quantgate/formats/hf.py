@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -245,17 +246,33 @@ class TensorSource:
             raise QuantgateError(f"{f}: cannot read tensor {name} ({str(e)[:100]})") from None
 
     def get(self, name: str) -> torch.Tensor:
+        """The tensor as fp32 (the in-memory loader's form)."""
+        return self.get_stored(name).float()
+
+    def get_stored(self, name: str) -> torch.Tensor:
+        """The tensor in its stored dtype, refused if it holds NaN or Inf.
+
+        It is read through a handle opened for this tensor alone: safetensors maps the file and hands out tensors
+        backed by that map, so a handle kept open would keep every page it ever touched resident (a 9B model's 18 GB
+        in RSS by the end of an export); this way only the tensors still referenced stay mapped."""
         if name not in self.files:
             raise QuantgateError(f"tensor {name} is missing from the checkpoint")
         f = self.files[name]
         try:
-            t = self._open(f).get_tensor(name)
+            with safe_open(str(f), framework="pt") as h:
+                t = h.get_tensor(name)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise QuantgateError(f"{f}: cannot read tensor {name} ({str(e)[:100]})") from None
-        t = t.float()
-        if not torch.isfinite(t).all():
+        if not all_finite(t):
             raise QuantgateError(f"tensor {name} in {f.name} holds NaN or Inf values")
         return t
+
+
+def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """torch.isfinite(t).all(), a chunk of elements at a time, so checking a 1-billion-element embedding costs 16 MB
+    of temporary memory, not a 1 GB bool tensor."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
 
 
 def _expect(name: str, t: torch.Tensor, shape: tuple) -> torch.Tensor:
@@ -313,24 +330,68 @@ def skipped_parts(src: TensorSource, layout: Layout, hf: dict) -> dict[str, int]
     return parts
 
 
+class CheckpointWeights(Mapping):
+    """Our state-dict names -> the checkpoint's tensors, each read when asked for, in its stored dtype (bf16 stays
+    bf16), with the layout's transforms applied: zero-centred norms + 1 and a zero-gate baseline's o_proj halved
+    (both in fp32), q and gate rows split out of the fused q_proj.
+
+    This is what lets a 9B checkpoint be exported on a 24 GB machine: a writer asks for one tensor, writes it and
+    lets it go. With `meta=True` every tensor is a meta tensor of the same shape and dtype, read from the headers
+    alone, so a two-pass writer (a GGUF's tensor table comes before its data) lays the file out first."""
+
+    def __init__(self, ckpt: "HFCheckpoint", meta: bool = False):
+        self.ckpt, self.meta = ckpt, meta
+        self._theirs = {ours: theirs for theirs, (ours, _shape) in ckpt.plan.items()}
+        self._keys = [k for k in ckpt.shapes if k in self._theirs or k.endswith(".self_attn.g_proj.weight")]
+        self._key_set = set(self._keys)
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key) -> bool:
+        return key in self._key_set
+
+    def _read(self, theirs: str) -> torch.Tensor:
+        shape, dtype = self.ckpt.src.header(theirs)
+        if self.meta:
+            return torch.empty(shape, dtype=STORED_DTYPES[dtype], device="meta")
+        return self.ckpt.src.get_stored(theirs)
+
+    def __getitem__(self, ours: str) -> torch.Tensor:
+        if ours not in self._key_set:
+            raise KeyError(ours)
+        ck = self.ckpt
+        cfg, layout = ck.cfg, ck.layout
+        if ours.endswith((".self_attn.q_proj.weight", ".self_attn.g_proj.weight")):
+            theirs = self._theirs[ours.replace(".g_proj.", ".q_proj.")]
+            q, g = layout.split_q(self._read(theirs), cfg)
+            if ours.endswith(".g_proj.weight"):
+                return g.contiguous()
+            if g is not None and cfg.gate == "none" and not self.meta and bool(g.abs().max() > 0):
+                raise QuantgateError(f"tensor {theirs}: config.json says the model has no attention gate (written "
+                                     f"with zero gate rows), but its gate rows are not zero")
+            return q.contiguous()
+        t = self._read(self._theirs[ours])
+        if layout.zero_centred_norms and is_norm(ours):
+            return t.float() + 1.0
+        if cfg.gate == "none" and layout.zero_gate_baseline and ours.endswith(".self_attn.o_proj.weight"):
+            return t.float() * 0.5  # o_proj was doubled to cancel sigmoid(0) = 1/2
+        return t
+
+
+STORED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
 def read_state_dict(src: TensorSource, cfg: ModelConfig, layout: Layout, plan: dict) -> dict:
-    sd = {}
-    for theirs, (ours, shape) in plan.items():
-        t = _expect(theirs, src.get(theirs), shape)
-        if not ours.endswith("self_attn.q_proj.weight"):
-            sd[ours] = t + 1.0 if layout.zero_centred_norms and is_norm(ours) else t
-            continue
-        q, g = layout.split_q(t, cfg)
-        sd[ours] = q.contiguous()
-        if g is not None and cfg.gate != "none":
-            sd[ours.replace(".q_proj.", ".g_proj.")] = g.contiguous()
-        elif g is not None and bool(g.abs().max() > 0):
-            raise QuantgateError(f"tensor {theirs}: config.json says the model has no attention gate (written with "
-                                 f"zero gate rows), but its gate rows are not zero")
-    if cfg.gate == "none" and layout.zero_gate_baseline:  # o_proj was doubled to cancel sigmoid(0) = 1/2
-        for i in cfg.full_attention_layers:
-            sd[f"layers.{i}.self_attn.o_proj.weight"] = sd[f"layers.{i}.self_attn.o_proj.weight"] * 0.5
-    return sd
+    """Every tensor of the plan, as our model names them (fp32 where stored so, else the stored dtype)."""
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Model(cfg).state_dict().items()}
+    ckpt = HFCheckpoint(path=Path("."), hf={}, cfg=cfg, layout=layout, src=src, plan=plan, shapes=shapes)
+    weights = ckpt.weights()
+    return {k: weights[k] for k in weights}
 
 
 def write_state_dict(model: Model, layout: Layout) -> dict[str, torch.Tensor]:
@@ -351,10 +412,42 @@ def write_state_dict(model: Model, layout: Layout) -> dict[str, torch.Tensor]:
 
 # --- reading and writing a directory -------------------------------------------------------------
 
-def load_hf(path: str | Path, with_tokenizer: bool = True) -> Loaded:
-    """A model directory (any layout of LAYOUTS) into our Model (fp32, eval mode); a quantgate-quantized
-    checkpoint gets its saved scheme back (`apply_saved_quantization`). A Hugging Face repo id is resolved to its
-    cached (else downloaded) snapshot first (quantgate.formats.hub)."""
+@dataclass
+class HFCheckpoint:
+    """A model directory opened and checked from its headers alone: config, layout, the tensor plan (every tensor
+    present with the shape and a float dtype config.json implies) and the tokenizer, without a weight read.
+    `quantgate info` stops here; exporters stream `weights()`; `load_hf` reads them all into a Model."""
+    path: Path
+    hf: dict
+    cfg: ModelConfig
+    layout: Layout
+    src: TensorSource
+    plan: dict
+    shapes: dict  # our parameter name -> shape (from a meta-device model)
+    tokenizer: Tokenizer | None = None
+
+    def weights(self, meta: bool = False) -> CheckpointWeights:
+        return CheckpointWeights(self, meta)
+
+    def num_params(self) -> int:
+        """Parameters of our model (a tied embedding counted once), from the shapes alone."""
+        n = sum(int(torch.Size(s).numel()) for k, s in self.shapes.items())
+        return n - (int(torch.Size(self.shapes["lm_head.weight"]).numel()) if self.cfg.tie_embeddings else 0)
+
+    def stored_bytes(self) -> int:
+        """Bytes of the tensors quantgate reads, as stored (bf16: 2 per weight)."""
+        return sum(int(torch.Size(self.src.header(t)[0]).numel()) * STORED_DTYPES[self.src.header(t)[1]].itemsize
+                   for t in self.plan)
+
+    def largest_tensor_bytes(self) -> int:
+        return max(int(torch.Size(self.src.header(t)[0]).numel()) * STORED_DTYPES[self.src.header(t)[1]].itemsize
+                   for t in self.plan)
+
+
+def open_hf(path: str | Path, with_tokenizer: bool = True) -> HFCheckpoint:
+    """Open a model directory (any layout of LAYOUTS; a Hugging Face repo id is resolved to its cached, else
+    downloaded, snapshot first) and check it from config.json and the safetensors headers: nothing is allocated
+    but the shapes, so this works for a model of any size."""
     path = resolve(path)
     if not path.exists():
         raise QuantgateError(f"model directory {path} does not exist")
@@ -365,25 +458,34 @@ def load_hf(path: str | Path, with_tokenizer: bool = True) -> Loaded:
         raise QuantgateError(f"{path}: no config.json")
     hf = read_json(cfg_file)
     cfg, layout = config_from_hf(hf, path)
-    check_fits_in_memory(cfg, str(cfg_file))
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in Model(cfg).state_dict().items()}
     src = TensorSource(path)
     plan = tensor_plan(cfg, layout, shapes, hf)
     check_tensor_headers(src, cfg, layout, plan, hf)
-    sd = read_state_dict(src, cfg, layout, plan)
     skipped = skipped_parts(src, layout, hf)
     if skipped:
         cfg.extra = {**cfg.extra, "skipped_tensors": skipped}
-    model = model_holding(cfg, sd)
-    if "quant_scheme" in cfg.extra:
-        apply_saved_quantization(model, cfg.extra, str(cfg_file))
-    model.eval()
     tok = None
     if with_tokenizer and (path / "tokenizer.json").is_file():
         tok = load_tokenizer(path, cfg.bos_id, cfg.eos_id, cfg.pad_id)
         check_tokenizer_fits(tok, cfg, path)
-    return Loaded(model, tok, layout.name, path)
+    return HFCheckpoint(path, hf, cfg, layout, src, plan, shapes, tok)
+
+
+def load_hf(path: str | Path, with_tokenizer: bool = True) -> Loaded:
+    """A model directory (any layout of LAYOUTS) into our Model (fp32, eval mode); a quantgate-quantized
+    checkpoint gets its saved scheme back (`apply_saved_quantization`). A Hugging Face repo id is resolved to its
+    cached (else downloaded) snapshot first (quantgate.formats.hub)."""
+    ckpt = open_hf(path, with_tokenizer)
+    cfg = ckpt.cfg
+    check_fits_in_memory(cfg, str(ckpt.path / "config.json"))
+    weights = ckpt.weights()
+    model = model_holding(cfg, {k: weights[k].float() for k in weights})  # fp32 as read: one stored tensor at a time
+    if "quant_scheme" in cfg.extra:
+        apply_saved_quantization(model, cfg.extra, str(ckpt.path / "config.json"))
+    model.eval()
+    return Loaded(model, ckpt.tokenizer, ckpt.layout.name, ckpt.path)
 
 
 def model_holding(cfg: ModelConfig, sd: dict) -> Model:

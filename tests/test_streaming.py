@@ -1,0 +1,195 @@
+"""Exports that stream a checkpoint tensor by tensor (issue 25), against the in-memory path they replaced.
+
+Asserted: the GGUF written from a model directory, read one tensor at a time in its stored dtype, is byte for byte
+the file written from the same model loaded whole in fp32, for every layout, fp32 and bf16 checkpoints and every
+out type; while writing, only a layer's worth of read tensors is alive at once; `info` reads no tensor; a Qwen3.5
+checkpoint's MTP head is kept as llama.cpp's converter keeps it (block L, nextn.*), dropped with --no-mtp, and the
+file still runs in llama.cpp with the trunk's logits unchanged.
+"""
+from __future__ import annotations
+
+import json
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import randomize_, run_cli
+from quantgate.errors import QuantgateError
+from quantgate.export.gguf import export_checkpoint, export_gguf
+from quantgate.formats import inspect_gguf, load_checkpoint, save_checkpoint
+from quantgate.formats import hf as hf_format
+from quantgate.formats.gguf import open_reader
+from quantgate.info import model_info
+from quantgate.model import build_model, hybrid, preset
+from quantgate.tokenizer import byte_tokenizer
+
+CASES = {  # name: (gate, layout, hybrid, tied)
+    "qwen3-baseline": ("none", "qwen3", False, False),
+    "official-headwise": ("headwise", "official", False, True),
+    "qwen3next-elementwise": ("elementwise", "qwen3_next", False, False),
+    "qwen35-gated-r2": ("elementwise", "qwen3_5", True, False),
+    "qwen35-baseline-tied": ("none", "qwen3_5", True, True),
+}
+
+
+def _model(gate: str, is_hybrid: bool, tied: bool, seed: int = 0):
+    cfg = preset("tiny", vocab_size=300, n_layers=4, head_dim=32, gate=gate, tie_embeddings=tied)
+    if is_hybrid:
+        cfg = hybrid(cfg, value_heads_per_key_head=2)
+    m = build_model(cfg, seed=seed).eval()
+    randomize_(m, seed + 1)
+    return m
+
+
+def _save(m, layout: str, d, bf16: bool):
+    save_checkpoint(m, d, byte_tokenizer(), layout=layout)
+    if bf16:  # as released checkpoints are stored
+        sd = load_file(d / "model.safetensors")
+        save_file({k: v.to(torch.bfloat16) for k, v in sd.items()}, str(d / "model.safetensors"))
+    return d
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32-stored", "bf16-stored"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_streamed_gguf_is_byte_identical_to_the_in_memory_export(tmp_path, case, bf16):
+    gate, layout, is_hybrid, tied = CASES[case]
+    d = _save(_model(gate, is_hybrid, tied), layout, tmp_path / "ckpt", bf16)
+    loaded = load_checkpoint(d)
+    for outtype in ("f32", "f16", "bf16"):
+        (tmp_path / outtype).mkdir()
+        streamed = export_checkpoint(d, tmp_path / outtype / "s.gguf", outtype)["out"]
+        whole = export_gguf(loaded.model, loaded.tokenizer, tmp_path / outtype / "w.gguf", outtype,
+                            source_layout=loaded.layout, name=d.name)
+        assert open(streamed, "rb").read() == open(whole, "rb").read(), (case, outtype)
+
+
+def test_the_streamed_export_holds_one_layer_of_tensors_at_a_time(tmp_path, monkeypatch):
+    m = _model("elementwise", True, False)
+    d = _save(m, "qwen3_5", tmp_path / "ckpt", bf16=True)
+    alive: list[weakref.ref] = []
+    peak = {"alive": 0, "reads": 0}
+    real = hf_format.TensorSource.get_stored
+
+    def counting(self, name):
+        t = real(self, name)
+        alive[:] = [r for r in alive if r() is not None]
+        alive.append(weakref.ref(t))
+        peak["alive"], peak["reads"] = max(peak["alive"], len(alive)), peak["reads"] + 1
+        return t
+
+    monkeypatch.setattr(hf_format.TensorSource, "get_stored", counting)
+    export_checkpoint(d, tmp_path / "m.gguf", "bf16")
+    assert peak["reads"] >= len(m.state_dict()) - 1  # every tensor was read (q and gate share one)
+    # a Gated DeltaNet layer's 9 tensors are reordered together; nothing else is held past its write
+    assert peak["alive"] <= 10, peak
+
+
+def test_info_reads_headers_only(tmp_path, monkeypatch):
+    d = _save(_model("elementwise", True, False), "qwen3_5", tmp_path / "ckpt", bf16=True)
+    export_checkpoint(d, tmp_path / "m.gguf", "f16")
+    whole = load_checkpoint(d).model
+
+    def refuse(*a, **k):
+        raise AssertionError("info read a tensor")
+
+    monkeypatch.setattr(hf_format.TensorSource, "get_stored", refuse)
+    monkeypatch.setattr("quantgate.formats.gguf.read_tensor", refuse)
+    got = model_info(str(d))
+    assert got["params"] == whole.num_params()
+    assert got["weights"]["dtypes"] == "BF16" and got["weights"]["stored_bytes"] == 2 * sum(
+        v.numel() for k, v in whole.state_dict().items() if k != "lm_head.weight" or not whole.cfg.tie_embeddings)
+    g = model_info(str(tmp_path / "m.gguf"))
+    assert g["params"] == whole.num_params() and g["gguf"]["file_type"] == "F16"
+    assert g["dims"] == got["dims"]
+
+
+# --- the multi-token-prediction head -------------------------------------------------------------------------
+
+def mtp_head(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random MTP head of Qwen3.5's shape (`mtp.*`): its projection of [embedding | hidden], three norms and one
+    full-attention decoder layer (q_proj with per-head gate rows), norms stored zero-centred."""
+    g = torch.Generator().manual_seed(seed)
+    D, H, KV, hd, F = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    shapes = {"mtp.fc.weight": (D, 2 * D), "mtp.pre_fc_norm_embedding.weight": (D,),
+              "mtp.pre_fc_norm_hidden.weight": (D,), "mtp.norm.weight": (D,),
+              "mtp.layers.0.input_layernorm.weight": (D,), "mtp.layers.0.post_attention_layernorm.weight": (D,),
+              "mtp.layers.0.self_attn.q_proj.weight": (2 * H * hd, D), "mtp.layers.0.self_attn.k_proj.weight": (KV * hd, D),
+              "mtp.layers.0.self_attn.v_proj.weight": (KV * hd, D), "mtp.layers.0.self_attn.o_proj.weight": (D, H * hd),
+              "mtp.layers.0.self_attn.q_norm.weight": (hd,), "mtp.layers.0.self_attn.k_norm.weight": (hd,),
+              "mtp.layers.0.mlp.gate_proj.weight": (F, D), "mtp.layers.0.mlp.up_proj.weight": (F, D),
+              "mtp.layers.0.mlp.down_proj.weight": (D, F)}
+    return {k: 0.1 * torch.randn(s, generator=g) for k, s in shapes.items()}
+
+
+def with_mtp(src, dst, cfg):
+    """src's checkpoint with an MTP head added, and `mtp_num_hidden_layers` in its config as released files have."""
+    dst.mkdir()
+    sd = load_file(src / "model.safetensors")
+    sd.update(mtp_head(cfg))
+    save_file(sd, str(dst / "model.safetensors"))
+    hf = json.loads((src / "config.json").read_text())
+    hf["mtp_num_hidden_layers"] = 1
+    (dst / "config.json").write_text(json.dumps(hf))
+    (dst / "tokenizer.json").write_text((src / "tokenizer.json").read_text())
+    return dst
+
+
+def test_the_mtp_head_is_kept_as_llama_cpps_converter_keeps_it_and_dropped_on_request(tmp_path):
+    m = _model("elementwise", True, False)
+    d = with_mtp(_save(m, "qwen3_5", tmp_path / "plain", bf16=False), tmp_path / "mtp", m.cfg)
+    kept = export_checkpoint(d, tmp_path / "kept.gguf", "f32")
+    dropped = export_checkpoint(d, tmp_path / "dropped.gguf", "f32", mtp=False)
+    assert (kept["mtp_layers"], dropped["mtp_layers"]) == (1, 0)
+    L = m.cfg.n_layers
+    r = open_reader(tmp_path / "kept.gguf")
+    names = {t.name for t in r.tensors}
+    assert {f"blk.{L}.nextn.eh_proj.weight", f"blk.{L}.nextn.enorm.weight", f"blk.{L}.nextn.hnorm.weight",
+            f"blk.{L}.nextn.shared_head_norm.weight", f"blk.{L}.attn_q.weight", f"blk.{L}.ffn_down.weight"} <= names
+    assert r.fields["qwen35.block_count"].contents() == L + 1
+    assert r.fields["qwen35.nextn_predict_layers"].contents() == 1
+    assert r.fields["qwen35.attention.recurrent_layers"].contents()[L] is False
+    head = mtp_head(m.cfg)
+    t = {x.name: x for x in r.tensors}
+    # norms zero-centred on disk get + 1; matrices go as stored ([q | gate] per head included)
+    assert np.array_equal(np.asarray(t[f"blk.{L}.nextn.enorm.weight"].data),
+                          (head["mtp.pre_fc_norm_embedding.weight"] + 1).numpy())
+    assert np.array_equal(np.asarray(t[f"blk.{L}.attn_q.weight"].data),
+                          head["mtp.layers.0.self_attn.q_proj.weight"].numpy())
+    assert not any(n.startswith(f"blk.{L}.") for n in {x.name for x in open_reader(tmp_path / "dropped.gguf").tensors})
+    info = inspect_gguf(tmp_path / "kept.gguf")
+    assert (info.n_layers, info.nextn_layers) == (L, 1)
+    back = load_checkpoint(tmp_path / "kept.gguf").model  # the trunk, MTP left out
+    with torch.no_grad():
+        ids = torch.tensor([[0, 5, 9, 77, 3]])
+        assert torch.allclose(back(ids).logits, m(ids).logits, atol=1e-5)
+
+
+def test_a_file_with_the_mtp_head_runs_in_llama_cpp_with_the_trunks_logits(tmp_path):
+    from quantgate.runners import LlamaRunner
+    m = _model("elementwise", True, False)
+    d = with_mtp(_save(m, "qwen3_5", tmp_path / "plain", bf16=False), tmp_path / "mtp", m.cfg)
+    export_checkpoint(d, tmp_path / "kept.gguf", "f32")
+    export_checkpoint(d, tmp_path / "dropped.gguf", "f32", mtp=False)
+    w = np.array([[0] + list(range(3, 40))], dtype=np.int64)
+    out = {}
+    for name in ("kept", "dropped"):
+        with LlamaRunner(tmp_path / f"{name}.gguf", n_ctx=64) as r:
+            out[name] = r.logits(w)
+    assert np.allclose(out["kept"], out["dropped"], atol=1e-5)
+
+
+def test_an_unknown_mtp_tensor_is_refused_not_dropped(tmp_path):
+    m = _model("elementwise", True, False)
+    d = with_mtp(_save(m, "qwen3_5", tmp_path / "plain", bf16=False), tmp_path / "mtp", m.cfg)
+    sd = load_file(d / "model.safetensors")
+    sd["mtp.layers.0.mlp.experts.0.up_proj.weight"] = torch.zeros(4, 4)
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(QuantgateError, match="multi-token-prediction tensor"):
+        export_checkpoint(d, tmp_path / "x.gguf", "f32")
+    assert not (tmp_path / "x.gguf").exists()
+    r = run_cli("export", "gguf", str(d), "--out", str(tmp_path / "y.gguf"), "--no-mtp")
+    assert r.returncode == 0, r.stderr[-800:]
+    assert "peak memory:" in r.stderr
