@@ -137,7 +137,7 @@ LONG_VERBS = {"train", "eval", "quantize", "export", "generate", "analyze", "att
 
 def _listing(ctx) -> bool:
     """`quantgate quantize --list` prints a table; no work, no memory line."""
-    return ctx.invoked_subcommand == "quantize" and any(a == "--list" for a in ctx.protected_args + ctx.args)
+    return ctx.invoked_subcommand == "quantize" and "--list" in sys.argv
 
 
 @click.group(cls=QuantgateGroup, context_settings={"help_option_names": ["-h", "--help"]})

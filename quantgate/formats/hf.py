@@ -444,10 +444,11 @@ class HFCheckpoint:
                    for t in self.plan)
 
 
-def open_hf(path: str | Path, with_tokenizer: bool = True) -> HFCheckpoint:
+def open_hf(path: str | Path, with_tokenizer: bool = True, must_fit_in_memory: bool = False) -> HFCheckpoint:
     """Open a model directory (any layout of LAYOUTS; a Hugging Face repo id is resolved to its cached, else
     downloaded, snapshot first) and check it from config.json and the safetensors headers: nothing is allocated
-    but the shapes, so this works for a model of any size."""
+    but the shapes, so this works for a model of any size. `must_fit_in_memory`: refuse, right after config.json
+    and before anything else is read, a model whose fp32 weights this machine cannot hold (`load_hf`)."""
     path = resolve(path)
     if not path.exists():
         raise QuantgateError(f"model directory {path} does not exist")
@@ -458,6 +459,8 @@ def open_hf(path: str | Path, with_tokenizer: bool = True) -> HFCheckpoint:
         raise QuantgateError(f"{path}: no config.json")
     hf = read_json(cfg_file)
     cfg, layout = config_from_hf(hf, path)
+    if must_fit_in_memory:
+        check_fits_in_memory(cfg, str(cfg_file))
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in Model(cfg).state_dict().items()}
     src = TensorSource(path)
@@ -477,9 +480,8 @@ def load_hf(path: str | Path, with_tokenizer: bool = True) -> Loaded:
     """A model directory (any layout of LAYOUTS) into our Model (fp32, eval mode); a quantgate-quantized
     checkpoint gets its saved scheme back (`apply_saved_quantization`). A Hugging Face repo id is resolved to its
     cached (else downloaded) snapshot first (quantgate.formats.hub)."""
-    ckpt = open_hf(path, with_tokenizer)
+    ckpt = open_hf(path, with_tokenizer, must_fit_in_memory=True)
     cfg = ckpt.cfg
-    check_fits_in_memory(cfg, str(ckpt.path / "config.json"))
     weights = ckpt.weights()
     model = model_holding(cfg, {k: weights[k].float() for k in weights})  # fp32 as read: one stored tensor at a time
     if "quant_scheme" in cfg.extra:

@@ -109,7 +109,14 @@ def test_nan_weights(good_model):
     def poison(sd):
         sd["model.layers.0.mlp.down_proj.weight"][3, 4] = float("nan")
     _edit_tensors(good_model, poison)
-    assert_one_line_error(run_cli("info", str(good_model)), "model.layers.0.mlp.down_proj.weight", "NaN")
+    # info reads headers only (issue 25: it answers at once for a 27B); every verb that reads the weights refuses
+    assert run_cli("info", str(good_model)).returncode == 0
+    out = good_model.parent / "nan.gguf"
+    assert_one_line_error(run_cli("export", "gguf", str(good_model), "--out", str(out)),
+                          "model.layers.0.mlp.down_proj.weight", "NaN")
+    assert not out.exists()
+    assert_one_line_error(run_cli("eval", str(good_model), "--max-windows", "1", "--ctx", "16"),
+                          "model.layers.0.mlp.down_proj.weight", "NaN")
 
 
 def test_truncated_safetensors(good_model):

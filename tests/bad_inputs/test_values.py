@@ -131,7 +131,7 @@ CASES = {  # name -> (artifact to copy, edit(path) or None, argv, needle)
     "bos outside the vocabulary": ("baseline", lambda p: _edit_json(p / "config.json", _set("bos_token_id", 9999)),
                                    ["info", "{m}"], "bos_id 9999 is not a token id"),
     "a model too large for memory": ("baseline", lambda p: _edit_json(p / "config.json", lambda c: c.update(
-        vocab_size=1 << 22, hidden_size=1 << 17)), ["info", "{m}"], "of memory available"),
+        vocab_size=1 << 22, hidden_size=1 << 17)), ["eval", "{m}", *EVAL], "of memory available"),
     "tokenizer.json malformed": ("gated", lambda p: (p / "tokenizer.json").write_text('{"model": 5}'),
                                  ["eval", "{m}", *EVAL], "not a valid tokenizer.json"),
     "NaN weight": ("gated", _nan_safetensors, ["eval", "{m}", *EVAL], "NaN"),
@@ -215,7 +215,8 @@ def test_generation_stops_when_the_context_is_full(cli_server, base, artifact):
                        timeout=300)
     assert r.code == 0, r.stderr[-2000:]
     said = [ln for ln in r.lines if ln.startswith("stopped after")]
-    n = int(r.lines[-1].split(" new tokens")[0].split()[-1])  # "... prompt 508 tokens: ...; N new tokens: ..."
+    speed = next(ln for ln in r.lines if " new tokens: decode" in ln)  # "... prompt 508 tokens: ...; N new tokens: ..."
+    n = int(speed.split(" new tokens")[0].split()[-1])
     assert n <= 4 and (n < 4 or said == [f"stopped after 4 new tokens: the model's context of {CONTEXT} tokens is full"])
 
 

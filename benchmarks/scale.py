@@ -1,0 +1,319 @@
+"""The sizes people run: peak memory and wall time of every verb on Qwen3.5 checkpoints of 0.8B, 2B, 4B and 9B shape.
+
+Each checkpoint is written in the released layout (`Qwen3_5ForConditionalGeneration`: text weights under
+`model.language_model.*`, a vision tensor, the `mtp.*` head; bf16; sharded at 2 GB with an index), with random
+weights at the real configs of QWEN35.md section 1.2 (memory and time do not depend on the values). It is written
+tensor by tensor, so this script itself never holds a model.
+
+Every verb runs in a child process of its own (`python -m quantgate.cli ...`), under a wrapper that reports the
+child's wall time and its peak RSS (getrusage of the largest descendant: the CLI, or the llama.cpp worker it
+spawns); the CLI's own "peak memory" line is kept beside it. Beside quantgate's `export gguf`, llama.cpp's own
+convert_hf_to_gguf.py (from the llama-cpp-python sdist) converts the same checkpoint to the same out type.
+
+Verbs: `info` (directory and GGUF), `export gguf --outtype bf16` (MTP kept), `quantize --type Q4_K_M`
+(llama.cpp's quantizer), `generate` (32 tokens), `eval` on the Q4_K_M file (perplexity, 4 windows of 128);
+and the verbs that still load the whole model in fp32 (`analyze`, `eval` of the directory, `export onnx`),
+recorded as run or refused with their one line and the time the refusal took.
+
+Goals (issue 25): export and quantize peak RSS <= 1.5 x the largest single tensor + 1.5 GB; time linear in
+parameters.
+
+    python benchmarks/scale.py [--shapes qwen35-0.8b,qwen35-2b,qwen35-4b,qwen35-9b] [--work DIR]
+        [--llama-cpp-src DIR]   # the vendored llama.cpp tree of the llama-cpp-python sdist (else pip-downloaded)
+
+Writes benchmarks/results/scale.json after every verb (a long run keeps what it measured) and scale.md from it
+(`--markdown-only` rewrites the .md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from quantgate.formats.hf import config_to_hf, tensor_plan
+from quantgate.layouts import LAYOUTS
+from quantgate.model import Model, ModelConfig, hybrid
+from quantgate.tokenizer import train_bpe
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+sys.path.insert(0, str(HERE))
+from laptop_speed import llama_cpp_tree  # noqa: E402  (the sdist's converter tree, fetched the same way)
+
+CONVERT = HERE.parent / "tests" / "llama_convert.py"
+SHARD_BYTES = 2 << 30
+GB = 1e9
+
+
+def qwen35(dim: int, layers: int, heads: int, kv: int, value_heads: int, ffn: int, tied: bool) -> ModelConfig:
+    """A Qwen3.5 dense text model of QWEN35.md's table: head_dim 256, GDN key heads 16 x 128, value heads x 128."""
+    base = ModelConfig(vocab_size=248320, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv, head_dim=256,
+                       ffn_dim=ffn, rope_theta=1e7, tie_embeddings=tied, max_seq_len=4096)
+    return replace(hybrid(base), linear_key_heads=16, linear_value_heads=value_heads, linear_key_dim=128,
+                   linear_value_dim=128)
+
+
+SHAPES = {
+    "qwen35-0.8b": lambda: qwen35(1024, 24, 8, 2, 16, 3584, True),
+    "qwen35-2b": lambda: qwen35(2048, 24, 8, 2, 16, 6144, True),
+    "qwen35-4b": lambda: qwen35(2560, 32, 16, 4, 32, 9216, True),
+    "qwen35-9b": lambda: qwen35(4096, 32, 16, 4, 32, 12288, False),
+    "smoke": lambda: replace(hybrid(ModelConfig(vocab_size=4096, dim=256, n_layers=4, n_heads=2, n_kv_heads=1,
+                                                head_dim=128, ffn_dim=512, max_seq_len=4096)),
+                             linear_key_heads=2, linear_value_heads=4, linear_key_dim=64, linear_value_dim=64),
+}
+
+WRAPPER = """
+import json, resource, subprocess, sys, time
+t = time.perf_counter()
+r = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+print(json.dumps({"rc": r.returncode, "seconds": time.perf_counter() - t,
+                  "peak_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+                  "stdout": r.stdout[-3000:], "stderr": r.stderr[-3000:]}))
+"""
+
+
+def measured(cmd: list[str]) -> dict:
+    """Run `cmd` under the wrapper: rc, seconds, peak RSS of its largest process, the tails of its output, and the
+    CLI's own peak line when it printed one."""
+    r = subprocess.run([sys.executable, "-c", WRAPPER, *cmd], capture_output=True, text=True, cwd=tempfile.gettempdir(),
+                       env={**os.environ, "QUANTGATE_PROGRESS": "0"})
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out["own_peak_line"] = next((ln for ln in out["stderr"].splitlines() if ln.startswith("peak memory:")), None)
+    out["error_line"] = next((ln for ln in out["stderr"].splitlines() if ln.startswith("error:")), None)
+    return out
+
+
+def qg(*args: str) -> list[str]:
+    return [sys.executable, "-m", "quantgate.cli", *args]
+
+
+# --- the checkpoint, written tensor by tensor --------------------------------------------------------------------
+
+def released_config(cfg: ModelConfig) -> dict:
+    """config.json as Qwen3.5's released multimodal checkpoints nest it."""
+    text = config_to_hf(cfg, LAYOUTS["qwen3_5"])
+    text.pop("quantgate")
+    text.update(torch_dtype="bfloat16", mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
+    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+            "tie_word_embeddings": cfg.tie_embeddings, "text_config": text,
+            "vision_config": {"depth": 1, "hidden_size": 64, "out_hidden_size": cfg.dim}}
+
+
+def tensor_shapes(cfg: ModelConfig, hf: dict) -> dict[str, tuple]:
+    """Every tensor of the released layout with its shape: the text model (quantgate's own plan for this layout),
+    the MTP head (one full-attention block and its projection and norms) and one vision tensor."""
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Model(cfg).state_dict().items()}
+    out = {theirs: shape for theirs, (_ours, shape) in tensor_plan(cfg, LAYOUTS["qwen3_5"], shapes, hf).items()}
+    D, H, KV, hd, F = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    out.update({"mtp.fc.weight": (D, 2 * D), "mtp.pre_fc_norm_embedding.weight": (D,),
+                "mtp.pre_fc_norm_hidden.weight": (D,), "mtp.norm.weight": (D,),
+                "mtp.layers.0.input_layernorm.weight": (D,), "mtp.layers.0.post_attention_layernorm.weight": (D,),
+                "mtp.layers.0.self_attn.q_proj.weight": (2 * H * hd, D),
+                "mtp.layers.0.self_attn.k_proj.weight": (KV * hd, D), "mtp.layers.0.self_attn.v_proj.weight": (KV * hd, D),
+                "mtp.layers.0.self_attn.o_proj.weight": (D, H * hd), "mtp.layers.0.self_attn.q_norm.weight": (hd,),
+                "mtp.layers.0.self_attn.k_norm.weight": (hd,), "mtp.layers.0.mlp.gate_proj.weight": (F, D),
+                "mtp.layers.0.mlp.up_proj.weight": (F, D), "mtp.layers.0.mlp.down_proj.weight": (D, F),
+                "model.visual.patch_embed.proj.weight": (64, 3 * 2 * 16 * 16)})
+    return out
+
+
+def write_checkpoint(cfg: ModelConfig, d: Path, seed: int = 0) -> dict:
+    """Random bf16 weights (std 0.02; norms and A_log near 0, as zero-centred norms are) in 2 GB shards."""
+    d.mkdir(parents=True)
+    hf = released_config(cfg)
+    (d / "config.json").write_text(json.dumps(hf, indent=2))
+    tok = train_bpe([open(json.__file__).read() * 4], 512)
+    tok.save(d)
+    g = torch.Generator().manual_seed(seed)
+    shard, size, index, n = {}, 0, {}, 0
+
+    def flush():
+        nonlocal shard, size, n
+        if shard:
+            name = f"model-{n:05d}.safetensors"
+            save_file(shard, str(d / name), metadata={"format": "pt"})
+            index.update({k: name for k in shard})
+            shard, size, n = {}, 0, n + 1
+
+    total = 0
+    for name, shape in tensor_shapes(cfg, hf).items():
+        t = torch.empty(shape, dtype=torch.bfloat16)
+        t.normal_(0.0, 0.02, generator=g)
+        if size + t.numel() * 2 > SHARD_BYTES:
+            flush()
+        shard[name], size, total = t, size + t.numel() * 2, total + t.numel() * 2
+    flush()
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                "weight_map": index}, indent=2))
+    with torch.device("meta"):
+        n_params = Model(cfg).num_params()
+    largest = max(int(torch.Size(s).numel()) for s in tensor_shapes(cfg, hf).values()) * 2
+    return {"params": n_params, "stored_bytes": total, "largest_tensor_bytes": largest, "shards": n}
+
+
+# --- one shape -------------------------------------------------------------------------------------------------
+
+def run_shape(name: str, work: Path, tree: Path, results: dict, save) -> None:
+    cfg = SHAPES[name]()
+    d = work / name
+    shutil.rmtree(d, ignore_errors=True)
+    t = time.perf_counter()
+    facts = write_checkpoint(cfg, d / "ckpt")
+    facts["write_seconds"] = time.perf_counter() - t
+    r = results["shapes"][name] = {"checkpoint": facts, "verbs": {}}
+    save()
+    ckpt, ours, q4 = d / "ckpt", d / "ours-BF16.gguf", d / "ours-Q4_K_M.gguf"
+
+    def step(label: str, cmd: list[str]) -> dict:
+        out = measured(cmd)
+        r["verbs"][label] = {k: v for k, v in out.items() if k not in ("stdout", "stderr")} | {
+            "stderr_tail": out["stderr"][-600:] if out["rc"] else ""}
+        print(f"{name} {label}: rc {out['rc']} {out['seconds']:.1f} s peak {out['peak_rss'] / GB:.2f} GB "
+              f"{out['error_line'] or ''}", flush=True)
+        save()
+        return out
+
+    step("info (directory)", qg("info", str(ckpt)))
+    step("export gguf bf16", qg("export", "gguf", str(ckpt), "--out", str(ours), "--outtype", "bf16"))
+    if ours.exists():
+        r["ours_gguf_bytes"] = ours.stat().st_size
+        step("info (gguf)", qg("info", str(ours)))
+        step("quantize Q4_K_M (llama.cpp)", qg("quantize", str(ours), "--type", "Q4_K_M", "--out", str(q4)))
+    if q4.exists():
+        r["q4_bytes"] = q4.stat().st_size
+        step("generate 32 tokens (Q4_K_M)", qg("generate", str(q4), "--prompt", "def main():", "--max-tokens", "32",
+                                               "--threads", "2"))
+        step("eval ppl (Q4_K_M, 4 x 128)", qg("eval", str(q4), "--max-windows", "4", "--ctx", "128", "--threads", "2"))
+        q4.unlink()
+    # the verbs that still read the whole model in fp32 (torch): run where it fits, else refused before work
+    step("analyze (torch)", qg("analyze", str(ckpt), "--windows", "2", "--ctx", "64"))
+    step("eval (torch, directory)", qg("eval", str(ckpt), "--max-windows", "2", "--ctx", "64"))
+    if facts["params"] > 1.0e9:  # the 0.8B's fp32 ONNX export is measured in laptop_speed (14.1 GB); above: refused
+        step("export onnx (fp32)", qg("export", "onnx", str(ckpt), "--out", str(d / "onnx")))
+    # llama.cpp's own converter on the same checkpoint, to the same out type, MTP kept as ours keeps it
+    ref = d / "ref-BF16.gguf"
+    jobs = d / "jobs.json"
+    jobs.write_text(json.dumps([[str(ckpt), "--outfile", str(ref), "--outtype", "bf16"]]))
+    out = step("llama.cpp convert_hf_to_gguf.py bf16", [sys.executable, str(CONVERT), str(tree), str(jobs)])
+    if out["rc"] == 0:
+        r["ref_gguf_bytes"] = ref.stat().st_size
+        if ours.exists():
+            r["equal_to_converter"] = same_tensors(ours, ref)
+        save()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def same_tensors(a: Path, b: Path) -> dict:
+    """Whether two GGUFs hold the same tensors: names, types and shapes from the tables, then the data compared
+    tensor by tensor (memory-mapped, 64 MB at a time), and which tensors differ if any."""
+    import numpy as np
+    from gguf import GGUFReader
+    ta, tb = ({t.name: t for t in GGUFReader(p).tensors} for p in (a, b))
+    differ = sorted(set(ta) ^ set(tb))
+    for name in sorted(set(ta) & set(tb)):
+        x, y = ta[name], tb[name]
+        if x.tensor_type != y.tensor_type or list(x.shape) != list(y.shape):
+            differ.append(name)
+            continue
+        u, v = np.asarray(x.data).reshape(-1).view(np.uint8), np.asarray(y.data).reshape(-1).view(np.uint8)
+        step = 64 << 20
+        if any(not np.array_equal(u[i:i + step], v[i:i + step]) for i in range(0, u.size, step)):
+            differ.append(name)
+    return {"tensors": len(ta), "differ": differ[:20], "n_differ": len(differ)}
+
+
+# --- report ----------------------------------------------------------------------------------------------------
+
+def write_markdown(res: dict, path: Path) -> None:
+    lines = ["# Scale: every verb on Qwen3.5 shapes (random bf16 weights, released layout)", "",
+             f"One run, {res['started']}, {res['machine']}; quantgate {res['commit']}. Peak RSS: the largest process "
+             "of each verb's child (the CLI, or llama.cpp's worker/quantizer), getrusage; it includes pages of files "
+             "the process mapped. Goal (issue 25) for export and quantize: peak <= 1.5 x largest tensor + 1.5 GB.", ""]
+    for name, s in res["shapes"].items():
+        c = s["checkpoint"]
+        goal = 1.5 * c["largest_tensor_bytes"] + 1.5e9
+        lines += [f"## {name}: {c['params'] / 1e9:.2f} B parameters (text model), {c['stored_bytes'] / GB:.1f} GB "
+                  f"stored, largest tensor {c['largest_tensor_bytes'] / GB:.2f} GB", "",
+                  "| verb | result | wall s | peak RSS GB | goal GB | verdict |", "|---|---|---|---|---|---|"]
+        for label, v in s["verbs"].items():
+            bounded = label.startswith(("export gguf", "quantize", "llama.cpp convert"))
+            ok = "" if not bounded or v["rc"] else ("met" if v["peak_rss"] <= goal else
+                                                    f"missed by {(v['peak_rss'] - goal) / GB:.2f} GB")
+            what = "ok" if v["rc"] == 0 else f"exit {v['rc']}: {(v['error_line'] or '').removeprefix('error: ')[:110]}"
+            lines.append(f"| {label} | {what} | {v['seconds']:.1f} | {v['peak_rss'] / GB:.2f} | "
+                         f"{goal / GB:.2f} | {ok} |" if bounded else
+                         f"| {label} | {what} | {v['seconds']:.1f} | {v['peak_rss'] / GB:.2f} | | |")
+        sizes = [f"{k.replace('_bytes', '')} {s[k] / GB:.2f} GB" for k in ("ours_gguf_bytes", "ref_gguf_bytes", "q4_bytes")
+                 if k in s]
+        lines += ["", "Files: " + ", ".join(sizes) + "." if sizes else "", ""]
+        eq = s.get("equal_to_converter")
+        if eq:
+            lines += [f"quantgate's BF16 GGUF against llama.cpp's converter: {eq['tensors']} tensors, "
+                      + ("every one the same name, type, shape and bytes." if not eq["n_differ"] else
+                         f"{eq['n_differ']} differ ({', '.join(eq['differ'][:5])})."), ""]
+    rows = [(n, s["checkpoint"]["params"], s["verbs"].get("export gguf bf16"), s["verbs"].get(
+        "quantize Q4_K_M (llama.cpp)")) for n, s in res["shapes"].items()]
+    rows = [r for r in rows if r[2] and r[2]["rc"] == 0]
+    if len(rows) >= 2:
+        lines += ["## Time against parameters", "", "| shape | export s per B params | quantize s per B params |",
+                  "|---|---|---|"]
+        for n, p, e, q in rows:
+            qs = f"{q['seconds'] / (p / 1e9):.1f}" if q and q["rc"] == 0 else ""
+            lines.append(f"| {n} | {e['seconds'] / (p / 1e9):.1f} | {qs} |")
+        lines.append("")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="qwen35-0.8b,qwen35-2b,qwen35-4b,qwen35-9b")
+    ap.add_argument("--work", default=None, help="folder for the checkpoints and files (needs ~45 GB for 9B)")
+    ap.add_argument("--llama-cpp-src", default=None)
+    ap.add_argument("--out", default=str(RESULTS / "scale.json"))
+    ap.add_argument("--markdown-only", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    if args.markdown_only:
+        write_markdown(json.loads(out.read_text()), out.with_suffix(".md"))
+        return
+    shapes = args.shapes.split(",")
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        sys.exit(f"unknown shape {unknown[0]}; choose from {', '.join(SHAPES)}")
+    work = Path(args.work or tempfile.mkdtemp(prefix="quantgate-scale-"))
+    work.mkdir(parents=True, exist_ok=True)
+    tree = llama_cpp_tree(work, args.llama_cpp_src)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=HERE).stdout.strip()
+    mem = next((int(ln.split()[1]) * 1024 for ln in Path("/proc/meminfo").read_text().splitlines()
+                if ln.startswith("MemTotal:")), 0)
+    res = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
+           "machine": f"{os.cpu_count()} cores, {mem / 2**30:.0f} GiB, {platform.machine()}", "shapes": {}}
+
+    def save():
+        tmp = out.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(res, indent=2) + "\n")
+        tmp.replace(out)
+        write_markdown(res, out.with_suffix(".md"))
+
+    for name in shapes:
+        run_shape(name, work, tree, res, save)
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
