@@ -11,6 +11,7 @@ model (or the official gated layout) to qwen35; gguf-py does the file format.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -19,14 +20,14 @@ import numpy as np
 import torch
 
 from quantgate import __version__
-from quantgate.errors import QuantgateError
+from quantgate.errors import DiskFull, QuantgateError
 from quantgate.formats import artifact_kind, inspect_gguf, load_checkpoint
 from quantgate.formats.gguf_layout import (BLOCK_TENSORS, GGUF_ARCHS, GLOBAL_TENSORS, LAYER_TENSORS, LINEAR_TO_GGUF,
                                            POST_ATTENTION_NORM, Q_TENSOR, QWEN2_SPLIT,
                                            SPLIT_PRE_TOKENIZERS, IdentityLayerShape, arch_of,
                                            expected_tensor_names, expected_tensor_shapes, gguf_arch,
                                            gdn_to_gguf, identity_recurrent_layer, mtp_names, rope_sections)
-from quantgate.formats.hf import STORED_DTYPES, open_hf
+from quantgate.formats.hf import STORED_DTYPES, available_memory, open_hf
 from quantgate.fsio import atomic_path, check_output
 from quantgate.model import Model, ModelConfig
 from quantgate.progress import track
@@ -126,7 +127,7 @@ def gguf_tensors(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterator[t
 
 def mtp_tensors(ckpt, n_layers: int) -> list[tuple[str, Callable[[], torch.Tensor]]]:
     """The checkpoint's multi-token-prediction head as llama.cpp's converter writes it (qwen35: `blk.{L+j}.*`, one
-    full-attention block after the trunk, plus its `nextn.*` projections and norms; MTP_TENSORS): (GGUF name, a
+    full-attention block after the trunk, plus its `nextn.*` projection and norms; gguf_layout.mtp_names): (GGUF name, a
     reader of the stored tensor with zero-centred norms + 1). Empty when the checkpoint has none."""
     out = []
     for their, gguf_name in mtp_names(ckpt.src.names(), ckpt.hf, n_layers).items():
@@ -183,6 +184,19 @@ def _data(t: torch.Tensor, kind: str, name: str) -> np.ndarray:
             raise QuantgateError(f"tensor {name} has values beyond the fp16 range; export with --outtype f32 or bf16")
         return t.to(torch.float16).numpy()
     return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def check_room(out: Path, file_bytes: int, working_bytes: int) -> None:
+    """Refuse before the first byte of data: a disk without room for the whole file, or a machine without the
+    memory for the largest tensor as read plus as written (the most a streamed export holds at once)."""
+    free = shutil.disk_usage(out.parent if str(out.parent) else Path(".")).free
+    if file_bytes > free:
+        raise DiskFull(f"cannot write {out}: the GGUF needs {file_bytes / 1e9:.2f} GB and its disk has "
+                       f"{free / 1e9:.2f} GB free; nothing was written")
+    avail = available_memory()
+    if avail is not None and working_bytes > avail:
+        raise QuantgateError(f"{out}: its largest tensor needs {working_bytes / 1e9:.2f} GB of memory to convert and "
+                             f"write, more than the {avail / 1e9:.2f} GB available")
 
 
 def export_gguf(model: Model, tokenizer: Tokenizer | None, out: str | Path, outtype: str = "f32",
@@ -267,12 +281,14 @@ def write_gguf(cfg: ModelConfig, sd: Mapping, meta_sd: Mapping, tokenizer: Token
         w.add_eos_token_id(cfg.eos_id)
         w.add_pad_token_id(cfg.pad_id)
         w.add_add_bos_token(False)  # callers put BOS in front themselves (one convention everywhere)
-        kinds = []
+        kinds, total, working = [], 0, 0
         for tname, t in tensors(meta_sd, meta=True):
             kind = _out_kind(t, outtype, tname)
             kinds.append((tname, kind))
             tshape, dtype, nbytes, raw = _spec(t, kind)
             w.add_tensor_info(tname, tshape, dtype, nbytes, raw_dtype=raw)
+            total, working = total + nbytes, max(working, nbytes + t.numel() * t.element_size())
+        check_room(out, total, working)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()

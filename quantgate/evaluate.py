@@ -22,7 +22,7 @@ from .formats import artifact_kind, load_checkpoint
 from .formats.gguf import check_finite_weights, inspect_gguf, open_reader, tokenizer_from_gguf
 from .formats.onnx import check_finite_initializers, onnx_context
 from .formats.onnx_io import onnx_bytes, read_meta, resolve_onnx
-from .fsio import atomic_file
+from .fsio import atomic_path
 from .identity import code_id, content_id, key
 from .metrics import kld_summary, layer_sqnr, position_kld, token_nll, top1_match
 from .progress import track
@@ -75,9 +75,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quantgate"
 
 
-def reference_logits(ref_path: str, windows: np.ndarray, data_key: str) -> np.ndarray:
+def reference_logits(ref_path: str, windows: np.ndarray, data_key: str, batch: int = 4) -> np.ndarray:
     """fp32 PyTorch logits of the reference on these windows, computed once and cached on disk under a key of
-    the reference's contents, the windows' tokens and the code (quantgate.identity)."""
+    the reference's contents, the windows' tokens and the code (quantgate.identity); returned memory-mapped.
+
+    They go to the file a batch at a time (llama.cpp's --kl-divergence-base idea): at Qwen3.5's vocabulary of
+    248,320, 32 windows of 256 are 8 GB of logits, which are never held in memory at once."""
     k = key("ref-logits", content_id(ref_path), code_id(), data_key, list(windows.shape),
             hashlib.sha256(windows.tobytes()).hexdigest())
     path = cache_dir() / f"ref-logits-{k}.npy"
@@ -86,10 +89,20 @@ def reference_logits(ref_path: str, windows: np.ndarray, data_key: str) -> np.nd
             cached = np.load(path, mmap_mode="r")
             if cached.shape[:2] == windows.shape:
                 return cached
-    logits = TorchRunner(load_checkpoint(ref_path).model, name="reference").logits(windows)
-    check_finite(logits, f"the reference {ref_path}")
-    with atomic_file(path) as f:
-        np.save(f, logits.astype(np.float32))
+    runner = TorchRunner(load_checkpoint(ref_path).model, name="reference")
+    with atomic_path(path) as tmp:
+        out = None
+        for i in track(range(0, len(windows), batch), "reference logits", total=-(-len(windows) // batch)):
+            lg = runner.logits(windows[i:i + batch])
+            check_finite(lg, f"the reference {ref_path}")
+            if out is None:
+                out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32,
+                                                shape=(len(windows), *lg.shape[1:]))
+            out[i:i + len(lg)] = lg
+        if out is None:
+            raise QuantgateError("no evaluation windows: nothing to compute reference logits on")
+        out.flush()
+        del out
     return np.load(path, mmap_mode="r")
 
 

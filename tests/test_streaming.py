@@ -193,3 +193,52 @@ def test_an_unknown_mtp_tensor_is_refused_not_dropped(tmp_path):
     r = run_cli("export", "gguf", str(d), "--out", str(tmp_path / "y.gguf"), "--no-mtp")
     assert r.returncode == 0, r.stderr[-800:]
     assert "peak memory:" in r.stderr
+
+
+def test_reference_logits_go_to_disk_a_batch_at_a_time(tmp_path, monkeypatch):
+    from quantgate.evaluate import reference_logits
+    from quantgate.runners import TorchRunner
+    m = _model("elementwise", False, False)
+    d = _save(m, "qwen3_next", tmp_path / "ckpt", bf16=False)
+    monkeypatch.setenv("QUANTGATE_CACHE", str(tmp_path / "cache"))
+    windows = np.random.default_rng(0).integers(3, 300, size=(10, 16))
+    sizes = []
+    real = TorchRunner.logits
+
+    def counting(self, w):
+        sizes.append(len(w))
+        return real(self, w)
+
+    monkeypatch.setattr(TorchRunner, "logits", counting)
+    got = reference_logits(str(d), windows, "test")
+    assert isinstance(got, np.memmap) and max(sizes) <= 4 and sum(sizes) == 10
+    want = real(TorchRunner(load_checkpoint(d).model), windows)
+    assert np.array_equal(np.asarray(got), want)
+    sizes.clear()
+    assert np.array_equal(np.asarray(reference_logits(str(d), windows, "test")), want) and sizes == []  # cached
+
+
+def test_an_export_the_disk_cannot_hold_is_refused_before_writing(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+    d = _save(_model("elementwise", True, False), "qwen3_5", tmp_path / "ckpt", bf16=True)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 ** 6, 10 ** 6 - 1000, 1000))
+    with pytest.raises(QuantgateError, match="needs 0.00 GB and its disk has 0.00 GB free"):
+        export_checkpoint(d, tmp_path / "out" / "m.gguf", "bf16")
+    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_gguf_is_parsed_once_until_it_changes(tmp_path, monkeypatch):
+    import quantgate.formats.gguf as gguf_format
+    parses = []
+    real = gguf_format.GGUFReader
+    monkeypatch.setattr(gguf_format, "GGUFReader", lambda *a, **k: parses.append(a) or real(*a, **k))
+    gguf_format._checked_reader.cache_clear()
+    m = _model("elementwise", True, False)
+    f = tmp_path / "m.gguf"
+    export_gguf(m, byte_tokenizer(), f, "f32")
+    inspect_gguf(f), open_reader(f), model_info(str(f))
+    assert len(parses) == 1
+    export_gguf(_model("elementwise", True, False, seed=5), byte_tokenizer(), f, "f16")  # replaced in place
+    assert inspect_gguf(f).file_type == "F16" and len(parses) == 2

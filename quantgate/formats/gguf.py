@@ -7,6 +7,7 @@ rebuilt from the file's own metadata, so `quantgate eval FILE.gguf` needs nothin
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,12 +111,24 @@ class _Meta:
 
 
 def open_reader(path: str | Path):
-    """gguf-py reader over `path`, or a QuantgateError saying what is wrong with the file."""
+    """gguf-py reader over `path`, or a QuantgateError saying what is wrong with the file.
+
+    gguf-py parses metadata arrays one element at a time: Qwen3.5's 248,320-token vocabulary takes it ~6 s, and
+    `info`, `generate` and `eval` each opened a file three times. So the last readers are kept, keyed by the
+    file's identity (inode, size, modification time): a file rewritten or replaced (quantgate renames new files
+    into place) is parsed again."""
     path = Path(path)
     if not path.exists():
         raise QuantgateError(f"GGUF file {path} does not exist")
     if not path.is_file():
         raise QuantgateError(f"{path} is not a file")
+    st = path.stat()
+    return _checked_reader(str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _checked_reader(path_str: str, _ino: int, size: int, _mtime_ns: int):
+    path = Path(path_str)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
@@ -124,7 +137,6 @@ def open_reader(path: str | Path):
         reader = GGUFReader(str(path), "r")
     except Exception as e:  # a parser of untrusted bytes: any failure means a malformed file
         raise QuantgateError(f"{path}: corrupt or truncated GGUF ({type(e).__name__}: {str(e)[:100]})") from None
-    size = path.stat().st_size
     for t in reader.tensors:
         end = int(t.data_offset) + int(t.n_bytes)
         if end > size or t.data.nbytes != t.n_bytes:
