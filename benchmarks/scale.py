@@ -59,7 +59,7 @@ GB = 1e9
 def qwen35(dim: int, layers: int, heads: int, kv: int, value_heads: int, ffn: int, tied: bool) -> ModelConfig:
     """A Qwen3.5 dense text model of QWEN35.md's table: head_dim 256, GDN key heads 16 x 128, value heads x 128."""
     base = ModelConfig(vocab_size=248320, dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv, head_dim=256,
-                       ffn_dim=ffn, rope_theta=1e7, tie_embeddings=tied, max_seq_len=4096)
+                       ffn_dim=ffn, rope_theta=1e7, tie_embeddings=tied, max_seq_len=4096, gate="elementwise")
     return replace(hybrid(base), linear_key_heads=16, linear_value_heads=value_heads, linear_key_dim=128,
                    linear_value_dim=128)
 
@@ -70,7 +70,7 @@ SHAPES = {
     "qwen35-4b": lambda: qwen35(2560, 32, 16, 4, 32, 9216, True),
     "qwen35-9b": lambda: qwen35(4096, 32, 16, 4, 32, 12288, False),
     "smoke": lambda: replace(hybrid(ModelConfig(vocab_size=4096, dim=256, n_layers=4, n_heads=2, n_kv_heads=1,
-                                                head_dim=128, ffn_dim=512, max_seq_len=4096)),
+                                                head_dim=128, ffn_dim=512, max_seq_len=4096, gate="elementwise")),
                              linear_key_heads=2, linear_value_heads=4, linear_key_dim=64, linear_value_dim=64),
 }
 
@@ -173,7 +173,9 @@ def run_shape(name: str, work: Path, tree: Path, results: dict, save) -> None:
     t = time.perf_counter()
     facts = write_checkpoint(cfg, d / "ckpt")
     facts["write_seconds"] = time.perf_counter() - t
-    r = results["shapes"][name] = {"checkpoint": facts, "verbs": {}}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=HERE).stdout.strip()
+    r = results["shapes"][name] = {"checkpoint": facts, "verbs": {}, "commit": commit}
     save()
     ckpt, ours, q4 = d / "ckpt", d / "ours-BF16.gguf", d / "ours-Q4_K_M.gguf"
 
@@ -246,7 +248,8 @@ def write_markdown(res: dict, path: Path) -> None:
         c = s["checkpoint"]
         goal = 1.5 * c["largest_tensor_bytes"] + 1.5e9
         lines += [f"## {name}: {c['params'] / 1e9:.2f} B parameters (text model), {c['stored_bytes'] / GB:.1f} GB "
-                  f"stored, largest tensor {c['largest_tensor_bytes'] / GB:.2f} GB", "",
+                  f"stored, largest tensor {c['largest_tensor_bytes'] / GB:.2f} GB"
+                  + (f" (quantgate {s['commit']})" if s.get("commit") else ""), "",
                   "| verb | result | wall s | peak RSS GB | goal GB | verdict |", "|---|---|---|---|---|---|"]
         for label, v in s["verbs"].items():
             bounded = label.startswith(("export gguf", "quantize", "llama.cpp convert"))
@@ -284,6 +287,7 @@ def main() -> None:
     ap.add_argument("--llama-cpp-src", default=None)
     ap.add_argument("--out", default=str(RESULTS / "scale.json"))
     ap.add_argument("--markdown-only", action="store_true")
+    ap.add_argument("--merge", action="store_true", help="keep the other shapes of an existing --out; rerun these")
     args = ap.parse_args()
     out = Path(args.out)
     if args.markdown_only:
@@ -302,6 +306,10 @@ def main() -> None:
                 if ln.startswith("MemTotal:")), 0)
     res = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
            "machine": f"{os.cpu_count()} cores, {mem / 2**30:.0f} GiB, {platform.machine()}", "shapes": {}}
+    if args.merge and out.is_file():  # each shape records the commit it ran at
+        old = json.loads(out.read_text())
+        res["shapes"] = {k: v for k, v in old["shapes"].items() if k not in shapes}
+        res["started"] = f"{old['started']}; {res['started']}"
 
     def save():
         tmp = out.with_suffix(".json.tmp")

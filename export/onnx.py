@@ -26,9 +26,10 @@ import torch.nn as nn
 from quantgate import __version__
 from quantgate.errors import QuantgateError
 from quantgate.formats import load_checkpoint
-from quantgate.formats.hf import config_to_hf
+from quantgate.formats.hf import available_memory, config_to_hf
 from quantgate.formats.onnx_io import INLINE_LIMIT, io_names, onnx_bytes, save_onnx, weight_bytes
 from quantgate.fsio import atomic_dir, check_output
+from quantgate.info import param_count
 from quantgate.layouts import DEFAULT_LAYOUT_FOR_GATE, LAYOUTS
 from quantgate.model import Model
 
@@ -299,10 +300,28 @@ def export_onnx(model: Model, tokenizer, out_dir: str | Path, opset: int = 23, g
     return out_dir
 
 
+# What the ONNX export (torch.onnx's trace of the fp32 model, then the file) held at its peak per parameter:
+# 14.1 GB for the Qwen3.5-0.8B shape's 0.75 B (benchmarks/results/hybrid_laptop_shape.json). The export does not
+# stream yet, so a model whose estimate exceeds the memory available is refused before the trace starts (the 2B
+# shape was killed by the kernel at 24.6 GB after 130 s, benchmarks/results/scale.json).
+EXPORT_BYTES_PER_PARAM = 19
+
+
+def check_export_memory(model_path: str | Path) -> None:
+    n = param_count(model_path)
+    need, avail = EXPORT_BYTES_PER_PARAM * n, available_memory()
+    if avail is not None and need > avail:
+        raise QuantgateError(f"{model_path}: exporting {n / 1e9:.2f}B parameters to ONNX needs about "
+                             f"{need / 2**30:.0f} GiB of memory (measured: {EXPORT_BYTES_PER_PARAM} bytes per "
+                             f"parameter), more than the {avail / 2**30:.1f} GiB available; `quantgate export gguf` "
+                             f"streams instead")
+
+
 def export_checkpoint(model_path: str | Path, out_dir: str | Path, opset: int = 23, graph: str = "standard",
                       dtype: str = "fp32") -> dict:
     """`quantgate export onnx`: load any layout the loader reads (or a GGUF) and write the ONNX directory."""
     check_output(out_dir, "onnx", (model_path,))
+    check_export_memory(model_path)
     loaded = load_checkpoint(model_path)
     export_onnx(loaded.model, loaded.tokenizer, out_dir, opset, graph, dtype, layout=loaded.layout,
                 source=str(model_path), inputs=(model_path,))

@@ -54,6 +54,11 @@ def _header(path: str):
     return loaded.model.cfg, loaded.layout, loaded.model.num_params(), loaded.tokenizer, facts
 
 
+def param_count(path) -> int:
+    """Parameters of any artifact, from its headers where the format allows (as `info` counts them)."""
+    return _header(str(path))[2]
+
+
 def model_info(path: str) -> dict:
     cfg, layout, n_params, tok, facts = _header(path)
     hybrid = {}
