@@ -241,9 +241,11 @@ def same_tensors(a: Path, b: Path) -> dict:
 
 def write_markdown(res: dict, path: Path) -> None:
     lines = ["# Scale: every verb on Qwen3.5 shapes (random bf16 weights, released layout)", "",
-             f"One run, {res['started']}, {res['machine']}; quantgate {res['commit']}. Peak RSS: the largest process "
-             "of each verb's child (the CLI, or llama.cpp's worker/quantizer), getrusage; it includes pages of files "
-             "the process mapped. Goal (issue 25) for export and quantize: peak <= 1.5 x largest tensor + 1.5 GB.", ""]
+             f"Runs started {res['started']}, {res['machine']}; each shape's heading names the quantgate commit it "
+             "ran at. Peak RSS: the largest process of each verb's child (the CLI, or llama.cpp's worker/quantizer), "
+             "getrusage; it includes pages of files the process mapped. Goal (issue 25) for export and quantize: "
+             "peak <= 1.5 x largest tensor + 1.5 GB.", ""]
+    res = {**res, "shapes": dict(sorted(res["shapes"].items(), key=lambda kv: kv[1]["checkpoint"]["params"]))}
     for name, s in res["shapes"].items():
         c = s["checkpoint"]
         goal = 1.5 * c["largest_tensor_bytes"] + 1.5e9
@@ -267,17 +269,26 @@ def write_markdown(res: dict, path: Path) -> None:
             lines += [f"quantgate's BF16 GGUF against llama.cpp's converter: {eq['tensors']} tensors, "
                       + ("every one the same name, type, shape and bytes." if not eq["n_differ"] else
                          f"{eq['n_differ']} differ ({', '.join(eq['differ'][:5])})."), ""]
-    rows = [(n, s["checkpoint"]["params"], s["verbs"].get("export gguf bf16"), s["verbs"].get(
-        "quantize Q4_K_M (llama.cpp)")) for n, s in res["shapes"].items()]
-    rows = [r for r in rows if r[2] and r[2]["rc"] == 0]
-    if len(rows) >= 2:
-        lines += ["## Time against parameters", "", "| shape | export s per B params | quantize s per B params |",
-                  "|---|---|---|"]
-        for n, p, e, q in rows:
-            qs = f"{q['seconds'] / (p / 1e9):.1f}" if q and q["rc"] == 0 else ""
-            lines.append(f"| {n} | {e['seconds'] / (p / 1e9):.1f} | {qs} |")
-        lines.append("")
+    lines += time_lines(res)
     path.write_text("\n".join(lines) + "\n")
+
+
+def time_lines(res: dict) -> list[str]:
+    """Wall time against parameters for the verbs that touch every weight: a least-squares line (seconds =
+    fixed + per-B x B parameters) and its largest residual, which says whether time is linear in parameters."""
+    import numpy as np
+    out = ["## Time against parameters", "",
+           "| verb | s per B parameters (slope) | fixed s (intercept) | largest residual s | shapes |", "|---|---|---|---|---|"]
+    for label in ("export gguf bf16", "llama.cpp convert_hf_to_gguf.py bf16", "quantize Q4_K_M (llama.cpp)"):
+        pts = [(s["checkpoint"]["params"] / 1e9, s["verbs"][label]["seconds"]) for s in res["shapes"].values()
+               if label in s["verbs"] and s["verbs"][label]["rc"] == 0]
+        if len(pts) < 3:
+            continue
+        x, y = np.array(pts).T
+        slope, icpt = np.polyfit(x, y, 1)
+        resid = np.abs(y - (slope * x + icpt)).max()
+        out.append(f"| {label} | {slope:.1f} | {icpt:.1f} | {resid:.1f} | {len(pts)} |")
+    return out + [""]
 
 
 def main() -> None:
