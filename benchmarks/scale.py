@@ -257,6 +257,7 @@ def write_markdown(res: dict, path: Path) -> None:
             bounded = label.startswith(("export gguf", "quantize", "llama.cpp convert"))
             ok = "" if not bounded or v["rc"] else ("met" if v["peak_rss"] <= goal else
                                                     f"missed by {(v['peak_rss'] - goal) / GB:.2f} GB")
+            ok = f"(the converter, for comparison: {ok})" if ok and label.startswith("llama.cpp") else ok
             what = "ok" if v["rc"] == 0 else f"exit {v['rc']}: {(v['error_line'] or '').removeprefix('error: ')[:110]}"
             lines.append(f"| {label} | {what} | {v['seconds']:.1f} | {v['peak_rss'] / GB:.2f} | "
                          f"{goal / GB:.2f} | {ok} |" if bounded else
