@@ -275,12 +275,6 @@ def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
     return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
 
 
-def _expect(name: str, t: torch.Tensor, shape: tuple) -> torch.Tensor:
-    if tuple(t.shape) != tuple(shape):
-        raise QuantgateError(f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-    return t
-
-
 def _names(cfg: ModelConfig) -> dict[str, str]:
     """ours -> theirs for every tensor stored under its own name (q_proj/g_proj are the layout's to fuse)."""
     names = dict(GLOBAL_NAMES)
