@@ -132,7 +132,7 @@ def tensor_shapes(cfg: ModelConfig, hf: dict) -> dict[str, tuple]:
 
 def write_checkpoint(cfg: ModelConfig, d: Path, seed: int = 0) -> dict:
     """Random bf16 weights (std 0.02; norms and A_log near 0, as zero-centred norms are) in 2 GB shards."""
-    d.mkdir(parents=True)
+    d.mkdir()
     hf = released_config(cfg)
     (d / "config.json").write_text(json.dumps(hf, indent=2))
     tok = train_bpe([open(json.__file__).read() * 4], 512)
@@ -168,8 +168,7 @@ def write_checkpoint(cfg: ModelConfig, d: Path, seed: int = 0) -> dict:
 
 def run_shape(name: str, work: Path, tree: Path, results: dict, save) -> None:
     cfg = SHAPES[name]()
-    d = work / name
-    shutil.rmtree(d, ignore_errors=True)
+    d = claim(work / name)
     t = time.perf_counter()
     facts = write_checkpoint(cfg, d / "ckpt")
     facts["write_seconds"] = time.perf_counter() - t
@@ -215,7 +214,26 @@ def run_shape(name: str, work: Path, tree: Path, results: dict, save) -> None:
         if ours.exists():
             r["equal_to_converter"] = same_tensors(ours, ref)
         save()
-    shutil.rmtree(d, ignore_errors=True)
+    remove_own(d)
+
+
+MARKER = ".quantgate-scale"  # in every folder this script creates; only such folders are ever removed
+
+
+def claim(d: Path) -> Path:
+    """A fresh work folder for one shape: one this script made before is cleared, anything else is refused."""
+    if d.exists():
+        if not (d / MARKER).is_file():
+            sys.exit(f"{d} exists and was not made by benchmarks/scale.py: choose another --work")
+        remove_own(d)
+    d.mkdir(parents=True)
+    (d / MARKER).write_text("made by benchmarks/scale.py\n")
+    return d
+
+
+def remove_own(d: Path) -> None:
+    if (d / MARKER).is_file():
+        shutil.rmtree(d)
 
 
 def same_tensors(a: Path, b: Path) -> dict:
@@ -305,6 +323,13 @@ def main() -> None:
     if args.markdown_only:
         write_markdown(json.loads(out.read_text()), out.with_suffix(".md"))
         return
+    if out.exists() and not args.merge:  # replace only a result of this script
+        try:
+            ours = "shapes" in json.loads(out.read_text()) and out.suffix == ".json"
+        except (OSError, ValueError):
+            ours = False
+        if not ours:
+            sys.exit(f"{out} exists and is not a result of benchmarks/scale.py: choose another --out")
     shapes = args.shapes.split(",")
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
@@ -331,7 +356,7 @@ def main() -> None:
 
     for name in shapes:
         run_shape(name, work, tree, res, save)
-    if not args.work:
+    if not args.work:  # the temporary folder made above, with the sdist tree fetched into it
         shutil.rmtree(work, ignore_errors=True)
 
 
