@@ -6,6 +6,7 @@
 | official    | qwen3 + headwise/elementwise_attn_output_gate | per KV group: [q of its g heads, gate of its g heads] | w  |
 | qwen3_next  | model_type qwen3_next (dense, all full attention) | per head: [q_h (hd), gate_h (hd)]      | stored w-1   |
 | qwen3_5     | model_type qwen3_5_text / qwen3_5 (hybrid: Gated DeltaNet + gated attention) | per head: [q_h, gate_h] | stored w-1, except the GDN's own norm |
+| qwen3_5_moe | model_type qwen3_5_moe_text / qwen3_5_moe (qwen3_5 with a routed MoE + gated shared expert) | as qwen3_5 | as qwen3_5 |
 
 A Qwen3.5 checkpoint of a gate-free model (a hybrid baseline has no stock layout) is written with zero gate rows
 and o_proj doubled (sigmoid(0) = 1/2: exactly the same function) and `quantgate.gate = "none"`, which the reader
@@ -47,6 +48,19 @@ GDN_NAMES = {  # Gated DeltaNet layers, Qwen3.5's split projections (the same na
     for n in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight",
               "A_log", "dt_bias", "norm.weight", "out_proj.weight")
 }
+# A mixture-of-experts layer's MLP (Qwen3.5-MoE): the router, the shared expert and its gate under their own
+# names; the routed experts either one tensor each (EXPERT_NAMES, the released files' form and transformers'
+# per-expert input) or fused 3-D (FUSED_EXPERT_NAMES: gate_up_proj [E, 2F, D] gate rows first, down_proj [E, D, F]),
+# which is what transformers 5 holds in memory and may save.
+MOE_NAMES = {
+    f"layers.{{i}}.mlp.{n}": f"model.layers.{{i}}.mlp.{n}"
+    for n in ("gate.weight", "shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
+              "shared_expert.down_proj.weight", "shared_expert_gate.weight")
+}
+EXPERT_NAMES = {f"layers.{{i}}.mlp.experts.{{j}}.{n}": f"model.layers.{{i}}.mlp.experts.{{j}}.{n}"
+                for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")}
+FUSED_EXPERT_NAMES = {"gate_up_proj": "model.layers.{i}.mlp.experts.gate_up_proj",
+                      "down_proj": "model.layers.{i}.mlp.experts.down_proj"}
 LAYER_NAMES = {**BLOCK_NAMES, **ATTENTION_NAMES}  # an all-attention layer (the names before hybrids)
 Q_NAME = "model.layers.{i}.self_attn.q_proj.weight"  # theirs: q rows, gate rows fused in where gated
 NORM_SUFFIXES = ("layernorm.weight", "q_norm.weight", "k_norm.weight", "norm.weight")
@@ -56,10 +70,18 @@ PLAIN_NORMS = (".linear_attn.norm.weight",)  # the GDN's gated norm is a plain m
 def layer_names(cfg: ModelConfig, i: int) -> dict[str, str]:
     """ours -> theirs for layer i: its block, and its mixer's tensors (QK-norm only where the model has it)."""
     mixer = GDN_NAMES if cfg.layer_type(i) == "linear_attention" else ATTENTION_NAMES
-    names = {o.format(i=i): t.format(i=i) for o, t in {**BLOCK_NAMES, **mixer}.items()}
+    block = BLOCK_NAMES
+    if cfg.is_moe:  # the router, shared expert and its gate; the routed experts are expert_names'
+        block = {o: t for o, t in BLOCK_NAMES.items() if ".mlp." not in o} | MOE_NAMES
+    names = {o.format(i=i): t.format(i=i) for o, t in {**block, **mixer}.items()}
     if not cfg.qk_norm:
         names = {o: t for o, t in names.items() if not o.endswith(("q_norm.weight", "k_norm.weight"))}
     return names
+
+
+def expert_names(cfg: ModelConfig, i: int) -> dict[str, str]:
+    """ours -> theirs for layer i's routed experts stored one tensor per expert and projection."""
+    return {o.format(i=i, j=j): t.format(i=i, j=j) for j in range(cfg.n_experts) for o, t in EXPERT_NAMES.items()}
 
 
 def _split_interleaved(w: torch.Tensor, cfg: ModelConfig):
@@ -92,6 +114,9 @@ class Layout:
     needs_qk_norm: bool = True        # its architecture always applies QK-norm
     hybrid_ok: bool = False           # holds Gated DeltaNet layers
     zero_gate_baseline: bool = False  # holds a gate-free model as zero gate rows and o_proj doubled
+    moe: bool = False                 # holds mixture-of-experts models (and only those)
+    multimodal_type: str = ""         # the model_type of its multimodal checkpoints (text model nested)
+    omitted_keys: tuple[str, ...] = ()  # shared config.json keys its config class does not have
     description: str = ""
 
     def text_config(self, hf: dict) -> dict:
@@ -125,8 +150,15 @@ class Layout:
     def partial_rotary(self, f) -> float:
         return 1.0
 
+    def ffn_fields(self, f) -> dict:
+        """Our MLP's ModelConfig fields from config.json: the dense FFN width (a MoE layout adds its experts)."""
+        return {"ffn_dim": f.int("intermediate_size", hi=1 << 20)}
+
     def cannot_hold(self, cfg: ModelConfig) -> str | None:
         """Why a model with `cfg` cannot be written in this layout (None: it can), from the row's flags."""
+        if cfg.is_moe != self.moe:
+            return (f"a mixture-of-experts model can only be written in the qwen3_5_moe layout, not {self.name}"
+                    if cfg.is_moe else f"the {self.name} layout holds mixture-of-experts models only")
         if cfg.is_hybrid and not self.hybrid_ok:
             return f"a hybrid (Gated DeltaNet) model can only be written in the qwen3_5 layout, not {self.name}"
         if (cfg.gate != "none") != self.gated and not (cfg.gate == "none" and self.zero_gate_baseline):
@@ -229,20 +261,23 @@ class Qwen35(Qwen3Next):
     hybrid_ok, zero_gate_baseline = True, True
     description = "Qwen3.5 (Gated DeltaNet + gated attention, per-head [q | gate], zero-centred norms)"
 
+    multimodal_type = "qwen3_5"
+
     def matches(self, hf: dict) -> bool:
-        return hf.get("model_type") in ("qwen3_5", "qwen3_5_text")
+        return hf.get("model_type") in (self.multimodal_type, self.model_type)
 
     def text_config(self, hf: dict) -> dict:
-        if hf.get("model_type") != "qwen3_5":
+        if hf.get("model_type") != self.multimodal_type:
             return hf
         text = hf.get("text_config")
         if not isinstance(text, dict):
-            raise QuantgateError("config.json: a qwen3_5 config must hold its language model in text_config")
+            raise QuantgateError(f"config.json: a {self.multimodal_type} config must hold its language model in "
+                                 f"text_config")
         tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings"))
         return {**text, "tie_word_embeddings": tie, "quantgate": hf.get("quantgate", text.get("quantgate", {}))}
 
     def disk_name(self, name: str, hf: dict) -> str:
-        if hf.get("model_type") == "qwen3_5" and name.startswith("model."):
+        if hf.get("model_type") == self.multimodal_type and name.startswith("model."):
             return "model.language_model." + name[len("model."):]
         return name
 
@@ -260,7 +295,8 @@ class Qwen35(Qwen3Next):
         if f.bool("attn_output_gate", True) is not True:
             raise QuantgateError(f"{where}: attn_output_gate false is not supported (Qwen3.5 gates its attention)")
         if hf.get("num_experts") or hf.get("num_experts_per_tok"):
-            raise QuantgateError(f"{where}: mixture-of-experts Qwen3.5 is not supported yet (dense models only)")
+            raise QuantgateError(f"{where}: a qwen3_5 config with num_experts is neither dense Qwen3.5 nor Qwen3.5-MoE "
+                                 f"(whose config says model_type qwen3_5_moe)")
 
     def rope_theta(self, f) -> float:
         rp = f.hf.get("rope_parameters")
@@ -300,6 +336,33 @@ class Qwen35(Qwen3Next):
                 "linear_conv_kernel_dim": cfg.linear_conv_kernel}
 
 
+class Qwen35Moe(Qwen35):
+    """Qwen3.5-MoE / Qwen3.6-35B-A3B: the Qwen3.5 hybrid with every MLP a routed mixture of experts (softmax top-k,
+    renormalised) plus a shared expert behind a sigmoid gate (HF `Qwen3_5MoeSparseMoeBlock`). Its config class has
+    no dense intermediate_size; every layer is sparse (no mlp_only_layers)."""
+    name, model_type, architecture = "qwen3_5_moe", "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"
+    multimodal_type, moe, omitted_keys = "qwen3_5_moe", True, ("intermediate_size",)
+    description = "Qwen3.5-MoE (Gated DeltaNet + gated attention, routed experts + gated shared expert)"
+
+    def check_config(self, hf: dict, f, n_layers: int, where: str) -> None:
+        if f.bool("attn_output_gate", True) is not True:
+            raise QuantgateError(f"{where}: attn_output_gate false is not supported (Qwen3.5 gates its attention)")
+        if hf.get("mlp_only_layers"):
+            raise QuantgateError(f"{where}: mlp_only_layers (dense layers in a MoE model) is not supported")
+
+    def ffn_fields(self, f) -> dict:
+        E = f.int("num_experts", 256, hi=1 << 16)
+        shared = f.int("shared_expert_intermediate_size", 512, hi=1 << 20)
+        return {"n_experts": E, "n_experts_used": f.int("num_experts_per_tok", 8, hi=E),
+                "expert_ffn_dim": f.int("moe_intermediate_size", 512, hi=1 << 20), "shared_expert_ffn_dim": shared,
+                "ffn_dim": shared}  # unused by a MoE layer; the one dense width our config requires
+
+    def config_fields(self, cfg: ModelConfig) -> dict:
+        return {**super().config_fields(cfg), "num_experts": cfg.n_experts, "num_experts_per_tok": cfg.n_experts_used,
+                "moe_intermediate_size": cfg.expert_ffn_dim,
+                "shared_expert_intermediate_size": cfg.shared_expert_ffn_dim}
+
+
 def _positive(v, name: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e30:
         raise QuantgateError(f"config.json: {name} must be a positive number, got {json.dumps(v)[:40]}")
@@ -327,7 +390,7 @@ def _check_dense_full_attention(hf: dict, f, n_layers: int, where: str) -> None:
                              f"(dense models only: mlp_only_layers must cover every layer)")
 
 
-LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (Qwen3(), Official(), Qwen3Next(), Qwen35())}
+LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (Qwen3(), Official(), Qwen3Next(), Qwen35(), Qwen35Moe())}
 
 DEFAULT_LAYOUT_FOR_GATE = {"none": "qwen3", "headwise": "official", "elementwise": "qwen3_next"}
 

@@ -59,6 +59,13 @@ class ModelConfig:
     linear_key_dim: int = 0
     linear_value_dim: int = 0
     linear_conv_kernel: int = 4
+    # Mixture of experts (Qwen3.5-MoE / Qwen3.6-35B-A3B): with n_experts > 0 every layer's MLP is `SparseMoE`,
+    # a softmax top-k router over n_experts SwiGLU experts of expert_ffn_dim plus one shared expert of
+    # shared_expert_ffn_dim behind its own sigmoid gate (ffn_dim is then unused).
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn_dim: int = 0
+    shared_expert_ffn_dim: int = 0
     extra: dict = field(default_factory=dict)  # provenance (source layout, model name), never read by forward
 
     def __post_init__(self) -> None:
@@ -85,6 +92,20 @@ class ModelConfig:
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < self.vocab_size:
                 raise ValueError(f"{name} {v!r} is not a token id of the {self.vocab_size}-token vocabulary")
         self._check_layer_types()
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        for name in ("n_experts", "n_experts_used", "expert_ffn_dim", "shared_expert_ffn_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+        if not self.n_experts:
+            return
+        if not 1 <= self.n_experts_used <= self.n_experts:
+            raise ValueError(f"n_experts_used must be in [1, n_experts = {self.n_experts}], got {self.n_experts_used}")
+        if self.expert_ffn_dim < 1 or self.shared_expert_ffn_dim < 1:
+            raise ValueError(f"a mixture-of-experts model needs expert_ffn_dim and shared_expert_ffn_dim >= 1, got "
+                             f"{self.expert_ffn_dim} and {self.shared_expert_ffn_dim}")
 
     def _check_layer_types(self) -> None:
         if self.layer_types is None:
@@ -121,6 +142,11 @@ class ModelConfig:
     def is_hybrid(self) -> bool:
         """Any Gated DeltaNet layer (Qwen3.5-style hybrid)."""
         return self.layer_types is not None and "linear_attention" in self.layer_types
+
+    @property
+    def is_moe(self) -> bool:
+        """Every layer's MLP a routed mixture of experts with a gated shared expert (Qwen3.5-MoE)."""
+        return self.n_experts > 0
 
     @property
     def full_attention_layers(self) -> list[int]:
@@ -427,14 +453,57 @@ class GatedDeltaNet(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ffn_dim: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        ffn = ffn_dim or cfg.ffn_dim
+        self.gate_proj = nn.Linear(cfg.dim, ffn, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, cfg.dim, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def route(router_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3.5-MoE's routing: softmax over every expert in fp32, the top k kept and renormalised to sum 1.
+    Returns (weights [N, k] fp32, expert indices [N, k])."""
+    w, idx = router_logits.float().softmax(dim=-1).topk(k, dim=-1)
+    return w / w.sum(dim=-1, keepdim=True), idx
+
+
+class SparseMoE(nn.Module):
+    """Qwen3.5-MoE's feed-forward (HF `Qwen3_5MoeSparseMoeBlock`, llama.cpp qwen35moe's build_moe_ffn plus its shared
+    expert): sum_k w_k expert_k(x) + sigmoid(shared_expert_gate x) shared_expert(x), the weights from `route`.
+
+    The experts are a ModuleList of ordinary SwiGLU MLPs (HF fuses them into 3-D tensors; the loader slices those),
+    so every tool that works on nn.Linear (fake quantization, GPTQ, SmoothQuant, importance matrices, activation
+    capture) sees each expert's projections with the tokens routed to it. The shared expert's sigmoid gate is the
+    model's third gate, beside the attention gate and the Gated DeltaNet's z. `last_route` keeps the last call's
+    expert indices [N, k] when `keep_route` is set (analysis; off by default)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_used = cfg.n_experts_used
+        self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)  # the router (HF's name)
+        self.experts = nn.ModuleList(MLP(cfg, cfg.expert_ffn_dim) for _ in range(cfg.n_experts))
+        self.shared_expert = MLP(cfg, cfg.shared_expert_ffn_dim)
+        self.shared_expert_gate = nn.Linear(cfg.dim, 1, bias=False)
+        self.keep_route = False
+        self.last_route: torch.Tensor | None = None
+
+    def forward(self, x):
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, idx = route(self.gate(flat), self.n_used)
+        if self.keep_route:
+            self.last_route = idx.detach()
+        out = torch.zeros_like(flat)
+        for e in idx.unique().tolist():  # only the experts some token was routed to run, on those tokens
+            rows, slot = (idx == e).nonzero(as_tuple=True)
+            y = self.experts[e](flat[rows]) * weights[rows, slot, None].to(flat.dtype)
+            out.index_add_(0, rows, y)
+        out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.view(shape)
 
 
 class Block(nn.Module):
@@ -449,7 +518,7 @@ class Block(nn.Module):
         else:
             self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe else MLP(cfg)
 
     @property
     def is_linear(self) -> bool:
@@ -545,7 +614,12 @@ class Model(nn.Module):
 
 
 def attention_only(cfg: ModelConfig, what: str) -> None:
-    """Refuse a hybrid in the verbs that do not handle Gated DeltaNet layers yet (one line, before any work)."""
+    """Refuse a hybrid or a MoE in the verbs that do not handle Gated DeltaNet layers or routed experts yet (one
+    line, before any work)."""
+    if cfg.is_moe:
+        raise QuantgateError(f"{what} does not handle mixture-of-experts models yet; info, eval, generate, analyze, "
+                             f"torch quantization (router and shared-expert gate kept float) and GGUF export with "
+                             f"llama.cpp quantization do")
     if cfg.is_hybrid:
         raise QuantgateError(f"{what} does not handle hybrid (Gated DeltaNet) models yet; train, info, eval, generate, "
                              f"analyze (with the gate-survival check), torch quantization, and GGUF and ONNX export (with "

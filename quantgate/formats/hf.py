@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from .. import __version__
 from ..errors import QuantgateError
 from ..fsio import atomic_dir, check_output, read_json
-from ..layouts import DEFAULT_LAYOUT_FOR_GATE, GLOBAL_NAMES, LAYOUTS, Q_NAME, Layout, detect_layout, is_norm, layer_names
+from ..layouts import (DEFAULT_LAYOUT_FOR_GATE, FUSED_EXPERT_NAMES, GLOBAL_NAMES, LAYOUTS, Q_NAME, Layout, detect_layout,
+                       expert_names, is_norm, layer_names)
 from ..model import Model, ModelConfig
 from ..quant.simulate import apply_saved_quantization
 from ..tokenizer import Tokenizer, load_tokenizer
@@ -97,10 +98,10 @@ def config_from_hf(hf: dict, path: Path) -> tuple[ModelConfig, Layout]:
     if not layout_name:
         mt = json.dumps(hf.get("model_type"))[:40]
         if "moe" in mt.lower():
-            raise QuantgateError(f"{where}: model_type {mt} is a mixture-of-experts model, which is not supported yet "
-                                 f"(dense qwen3, qwen3_next and qwen3_5 models only)")
-        raise QuantgateError(f"{where}: model_type {mt} is not supported "
-                             f"(supported: qwen3, qwen3 with attn_output_gate, qwen3_next, qwen3_5 / qwen3_5_text)")
+            raise QuantgateError(f"{where}: model_type {mt} is a mixture-of-experts model quantgate does not read "
+                                 f"(the MoE it reads is qwen3_5_moe, Qwen3.5-MoE / Qwen3.6-35B-A3B)")
+        raise QuantgateError(f"{where}: model_type {mt} is not supported (supported: qwen3, qwen3 with "
+                             f"attn_output_gate, qwen3_next, qwen3_5 / qwen3_5_text, qwen3_5_moe / qwen3_5_moe_text)")
     layout = LAYOUTS[layout_name]
     hf = layout.text_config(hf)
     f = HFFields(hf, where)
@@ -132,7 +133,7 @@ def config_from_hf(hf: dict, path: Path) -> tuple[ModelConfig, Layout]:
         cfg = ModelConfig(
             vocab_size=f.int("vocab_size", hi=MAX_VOCAB), dim=f.int("hidden_size", hi=MAX_DIM), n_layers=L, n_heads=H,
             n_kv_heads=f.int("num_key_value_heads", H, hi=MAX_DIM), head_dim=hd,
-            ffn_dim=f.int("intermediate_size", hi=MAX_DIM * 8), gate=gate,
+            **layout.ffn_fields(f), gate=gate,
             rope_theta=layout.rope_theta(f),
             partial_rotary=layout.partial_rotary(f),
             qk_norm=f.bool("use_qk_norm", True), tie_embeddings=f.bool("tie_word_embeddings", False),
@@ -184,6 +185,8 @@ def config_to_hf(cfg: ModelConfig, layout: Layout) -> dict:
         "pad_token_id": cfg.pad_id, "torch_dtype": "float32", "use_cache": True,
     }
     hf.update(layout.config_fields(cfg))
+    for k in layout.omitted_keys:
+        hf.pop(k, None)
     hf["quantgate"] = {"version": __version__, "gate": cfg.gate,
                        **{k: v for k, v in cfg.extra.items() if k != "source_layout"},
                        "source_layout": cfg.extra.get("source_layout", "quantgate")}
@@ -249,8 +252,9 @@ class TensorSource:
         """The tensor as fp32 (the in-memory loader's form)."""
         return self.get_stored(name).float()
 
-    def get_stored(self, name: str) -> torch.Tensor:
-        """The tensor in its stored dtype, refused if it holds NaN or Inf.
+    def get_stored(self, name: str, part: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """The tensor in its stored dtype, refused if it holds NaN or Inf; `part` = (j, r0, r1) reads rows r0:r1 of
+        its j-th matrix only (one expert's projection of a fused 3-D expert tensor: safetensors slices the map).
 
         It is read through a handle opened for this tensor alone: safetensors maps the file and hands out tensors
         backed by that map, so a handle kept open would keep every page it ever touched resident (a 9B model's 18 GB
@@ -260,7 +264,7 @@ class TensorSource:
         f = self.files[name]
         try:
             with safe_open(str(f), framework="pt") as h:
-                t = h.get_tensor(name)
+                t = h.get_tensor(name) if part is None else h.get_slice(name)[part[0], part[1]:part[2]]
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise QuantgateError(f"{f}: cannot read tensor {name} ({str(e)[:100]})") from None
         if not all_finite(t):
@@ -285,16 +289,30 @@ def _names(cfg: ModelConfig) -> dict[str, str]:
     return names
 
 
-def tensor_plan(cfg: ModelConfig, layout: Layout, shapes: dict, hf: dict | None = None
+def tensor_plan(cfg: ModelConfig, layout: Layout, shapes: dict, hf: dict | None = None, fused_experts: bool = False
                 ) -> dict[str, tuple[str | None, tuple]]:
     """theirs (the name in this checkpoint) -> (ours, expected shape) for every tensor the layout stores; `shapes`
     are our model's parameter shapes (from a meta-device model: nothing allocated); `hf` the checkpoint's
-    config.json, for layouts whose naming depends on it (a multimodal Qwen3.5 nests the text model)."""
+    config.json, for layouts whose naming depends on it (a multimodal Qwen3.5 nests the text model).
+    `fused_experts`: a MoE checkpoint stores each layer's routed experts as two 3-D tensors, planned under the
+    pseudo-names `layers.{i}.mlp.experts.gate_up_proj` / `.down_proj` that CheckpointWeights slices per expert."""
     on_disk = (lambda n: layout.disk_name(n, hf)) if hf is not None else (lambda n: n)
     plan = {on_disk(theirs): (ours, shapes[ours]) for ours, theirs in _names(cfg).items()}
     for i in cfg.full_attention_layers:
         plan[on_disk(Q_NAME.format(i=i))] = (f"layers.{i}.self_attn.q_proj.weight", (layout.q_rows(cfg), cfg.dim))
+    for i in range(cfg.n_layers) if cfg.is_moe else ():
+        if not fused_experts:
+            plan.update({on_disk(theirs): (ours, shapes[ours]) for ours, theirs in expert_names(cfg, i).items()})
+            continue
+        E, F, D = cfg.n_experts, cfg.expert_ffn_dim, cfg.dim
+        for part, shape in (("gate_up_proj", (E, 2 * F, D)), ("down_proj", (E, D, F))):
+            plan[on_disk(FUSED_EXPERT_NAMES[part].format(i=i))] = (f"layers.{i}.mlp.experts.{part}", shape)
     return plan
+
+
+def has_fused_experts(names: set[str]) -> bool:
+    """Whether a checkpoint stores its routed experts fused 3-D (transformers 5's in-memory form)."""
+    return any(n.endswith(".mlp.experts.gate_up_proj") and not n.startswith(("mtp.", "model.mtp.")) for n in names)
 
 
 def check_tensor_headers(src: TensorSource, cfg: ModelConfig, layout: Layout, plan: dict,
@@ -336,8 +354,18 @@ class CheckpointWeights(Mapping):
     def __init__(self, ckpt: "HFCheckpoint", meta: bool = False):
         self.ckpt, self.meta = ckpt, meta
         self._theirs = {ours: theirs for theirs, (ours, _shape) in ckpt.plan.items()}
-        self._keys = [k for k in ckpt.shapes if k in self._theirs or k.endswith(".self_attn.g_proj.weight")]
+        self._keys = [k for k in ckpt.shapes if k in self._theirs or k.endswith(".self_attn.g_proj.weight")
+                      or self._fused_part(k) is not None]
         self._key_set = set(self._keys)
+
+    def _fused_part(self, ours: str) -> tuple[str, int, str] | None:
+        """(their fused tensor, expert j, projection) when `ours` is a routed expert's projection stored fused."""
+        parts = ours.split(".")  # layers.{i}.mlp.experts.{j}.{proj}.weight
+        if len(parts) != 7 or parts[2:4] != ["mlp", "experts"] or not parts[4].isdecimal():
+            return None
+        fused = f"layers.{parts[1]}.mlp.experts.{'down_proj' if parts[5] == 'down_proj' else 'gate_up_proj'}"
+        theirs = self._theirs.get(fused)
+        return None if theirs is None else (theirs, int(parts[4]), parts[5])
 
     def __iter__(self):
         return iter(self._keys)
@@ -359,6 +387,16 @@ class CheckpointWeights(Mapping):
             raise KeyError(ours)
         ck = self.ckpt
         cfg, layout = ck.cfg, ck.layout
+        fused = self._fused_part(ours)
+        if fused is not None:  # expert j's rows of the layer's [E, 2F, D] gate_up or [E, D, F] down tensor
+            theirs, j, proj = fused
+            F = cfg.expert_ffn_dim
+            rows = {"gate_proj": (0, F), "up_proj": (F, 2 * F), "down_proj": (0, cfg.dim)}[proj]
+            if self.meta:
+                _shape, dtype = ck.src.header(theirs)
+                shape = (rows[1] - rows[0], F if proj == "down_proj" else cfg.dim)
+                return torch.empty(shape, dtype=STORED_DTYPES[dtype], device="meta")
+            return ck.src.get_stored(theirs, (j, *rows))
         if ours.endswith((".self_attn.q_proj.weight", ".self_attn.g_proj.weight")):
             theirs = self._theirs[ours.replace(".g_proj.", ".q_proj.")]
             q, g = layout.split_q(self._read(theirs), cfg)
@@ -391,7 +429,10 @@ def read_state_dict(src: TensorSource, cfg: ModelConfig, layout: Layout, plan: d
 def write_state_dict(model: Model, layout: Layout) -> dict[str, torch.Tensor]:
     cfg, ours = model.cfg, model.state_dict()
     out = {}
-    for o, t in _names(cfg).items():
+    names = _names(cfg)
+    for i in range(cfg.n_layers) if cfg.is_moe else ():
+        names.update(expert_names(cfg, i))
+    for o, t in names.items():
         w = ours[o].detach().float()
         out[t] = (w - 1.0 if layout.zero_centred_norms and is_norm(o) else w).contiguous().clone()
     for i in cfg.full_attention_layers:
@@ -458,7 +499,7 @@ def open_hf(path: str | Path, with_tokenizer: bool = True, must_fit_in_memory: b
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in Model(cfg).state_dict().items()}
     src = TensorSource(path)
-    plan = tensor_plan(cfg, layout, shapes, hf)
+    plan = tensor_plan(cfg, layout, shapes, hf, fused_experts=cfg.is_moe and has_fused_experts(src.names()))
     check_tensor_headers(src, cfg, layout, plan, hf)
     skipped = skipped_parts(src, layout, hf)
     if skipped:
@@ -515,7 +556,7 @@ def save_checkpoint(model: Model, out: str | Path, tokenizer: Tokenizer | None =
     elementwise -> dense all-full-attention qwen3_next, a hybrid (Gated DeltaNet layers) -> qwen3_5 whatever its
     gate (override with `layout`)."""
     cfg = model.cfg
-    name = layout or ("qwen3_5" if cfg.is_hybrid else DEFAULT_LAYOUT_FOR_GATE[cfg.gate])
+    name = layout or ("qwen3_5_moe" if cfg.is_moe else "qwen3_5" if cfg.is_hybrid else DEFAULT_LAYOUT_FOR_GATE[cfg.gate])
     if name not in LAYOUTS:
         raise QuantgateError(f"unknown layout {name!r}; choose from {sorted(LAYOUTS)}")
     lay = LAYOUTS[name]
