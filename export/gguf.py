@@ -26,7 +26,9 @@ from quantgate.formats.gguf_layout import (BLOCK_TENSORS, GGUF_ARCHS, GLOBAL_TEN
                                            POST_ATTENTION_NORM, Q_TENSOR, QWEN2_SPLIT,
                                            SPLIT_PRE_TOKENIZERS, IdentityLayerShape, arch_of,
                                            expected_tensor_names, expected_tensor_shapes, gguf_arch,
-                                           gdn_to_gguf, identity_recurrent_layer, mtp_names, rope_sections)
+                                           gdn_to_gguf, identity_recurrent_layer, moe_to_gguf, mtp_expert_recipes,
+                                           mtp_names,
+                                           rope_sections)
 from quantgate.formats.hf import STORED_DTYPES, available_memory, open_hf
 from quantgate.fsio import atomic_path, check_output
 from quantgate.model import Model, ModelConfig
@@ -111,6 +113,8 @@ def gguf_tensors(cfg: ModelConfig, sd: Mapping[str, torch.Tensor]) -> Iterator[t
             key = f"layers.{i}.{ours}"
             if key in sd:  # no local holds the tensor while this generator waits (the writer frees each one)
                 yield f"blk.{i}.{theirs}", _doubled(sd[key]) if _zero_gate_o_proj(cfg, ours) else sd[key]
+        if cfg.is_moe:
+            yield from moe_to_gguf(cfg, sd, i)
         if linear:
             yield from gdn_to_gguf(cfg, sd, i).items()
             continue
@@ -139,11 +143,25 @@ def mtp_tensors(ckpt, n_layers: int) -> list[tuple[str, Callable[[], torch.Tenso
     full-attention block after the trunk, plus its `nextn.*` projection and norms; gguf_layout.mtp_names): (GGUF name, a
     reader of the stored tensor with zero-centred norms + 1). Empty when the checkpoint has none."""
     out = []
-    for their, gguf_name in mtp_names(ckpt.src.names(), ckpt.hf, n_layers).items():
+    moe = ckpt.cfg.is_moe
+    for their, gguf_name in mtp_names(ckpt.src.names(), ckpt.hf, n_layers, moe).items():
         # the converter's rule, on the name it maps to (enorm, hnorm, shared_head_norm, attn_norm, ...): + 1
         plus_one = ckpt.layout.zero_centred_norms and gguf_name.endswith("norm.weight")
         out.append((gguf_name, lambda meta=False, t=their, p=plus_one: _stored(ckpt, t, p, meta)))
+    for gguf_name, (how, theirs) in mtp_expert_recipes(ckpt.src.names(), n_layers, ckpt.cfg.n_experts).items():
+        out.append((gguf_name, lambda meta=False, h=how, t=theirs: _mtp_experts(ckpt, h, t, meta)))
     return out
+
+
+def _mtp_experts(ckpt, how: str, theirs: list[str], meta: bool = False) -> torch.Tensor:
+    """One stacked expert tensor of a MoE's MTP block (gguf_layout.mtp_expert_recipes)."""
+    if how == "stack":
+        return torch.stack([_stored(ckpt, t, False, meta) for t in theirs])
+    t = _stored(ckpt, theirs[0], False, meta)
+    if how == "whole":
+        return t
+    F = t.shape[1] // 2  # gate rows first, then up (transformers' gate_up_proj)
+    return (t[:, :F] if how == "gate" else t[:, F:]).contiguous()
 
 
 def _stored(ckpt, theirs: str, plus_one: bool, meta: bool = False) -> torch.Tensor:
@@ -272,7 +290,8 @@ def write_gguf(cfg: ModelConfig, sd: Mapping, meta_sd: Mapping, tokenizer: Token
         w.add_context_length(cfg.max_seq_len)
         w.add_embedding_length(cfg.dim)
         w.add_block_count(n_blocks)
-        w.add_feed_forward_length(cfg.ffn_dim)  # qwen35 ignores per-layer arrays: the identity MLP is full width
+        if not cfg.is_moe:  # a MoE's widths are the expert keys (its config has no dense intermediate_size)
+            w.add_feed_forward_length(cfg.ffn_dim)  # qwen35 ignores per-layer arrays: the identity MLP is full width
         w.add_head_count(cfg.n_heads)
         w.add_head_count_kv(cfg.n_kv_heads)
         w.add_key_length(cfg.head_dim)

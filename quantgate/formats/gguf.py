@@ -23,9 +23,9 @@ from ..errors import QuantgateError
 from ..model import Model, ModelConfig
 from ..quant.schemes import llama_file_type_name
 from ..tokenizer import Tokenizer
-from .gguf_layout import (BLOCK_TENSORS, GGUF_ARCHS, GLOBAL_TENSORS, LAYER_TENSORS, MTP_OPTIONAL, Q_TENSOR,
-                          SPLIT_PRE_TOKENIZERS,
-                          SUPPORTED_ARCHS, expected_tensor_names, expected_tensor_shapes, gdn_from_gguf)
+from .gguf_layout import (ARCH_NAMES, BLOCK_TENSORS, GGUF_ARCHS, GLOBAL_TENSORS, LAYER_TENSORS, MTP_OPTIONAL, Q_TENSOR,
+                          SPLIT_PRE_TOKENIZERS, SUPPORTED_ARCHS, expected_tensor_names, expected_tensor_shapes,
+                          gdn_from_gguf, moe_from_gguf)
 from .hf import Loaded, check_fits_in_memory
 
 # enum llama_ftype values (general.file_type) -> llama.cpp's names, from gguf-py's LlamaFileType
@@ -58,6 +58,7 @@ class GGUFInfo:
     recurrent_layers: tuple[int, ...] = ()  # real layers that are Gated DeltaNet (a hybrid)
     nextn_layers: int = 0  # multi-token-prediction blocks after the trunk (llama.cpp's speculative-decoding head)
     ssm: dict = field(default_factory=dict)  # their shapes: state, inner, heads, groups, conv (the ssm.* keys)
+    moe: dict = field(default_factory=dict)  # a MoE's experts, used, expert_ffn, shared_ffn (the expert_* keys)
 
     @property
     def bits_per_weight(self) -> float:
@@ -170,7 +171,13 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
         raise QuantgateError(f"{path}: head_count {n_heads} is not a multiple of head_count_kv {n_kv}")
     head_dim = m.int(f"{arch}.attention.key_length", n_embd // n_heads or None, hi=1 << 12)
     m.int(f"{arch}.attention.value_length", head_dim, lo=head_dim, hi=head_dim)
-    ffn = _field(reader, f"{arch}.feed_forward_length")
+    moe = {}
+    if arch == ARCH_NAMES["moe"]:  # expert widths instead of one dense feed_forward_length
+        E = m.int(f"{arch}.expert_count", hi=1 << 16)
+        moe = {"experts": E, "used": m.int(f"{arch}.expert_used_count", hi=E),
+               "expert_ffn": m.int(f"{arch}.expert_feed_forward_length", hi=1 << 20),
+               "shared_ffn": m.int(f"{arch}.expert_shared_feed_forward_length", hi=1 << 20)}
+    ffn = _field(reader, f"{arch}.feed_forward_length", moe.get("shared_ffn"))
     ffn = ffn[0] if isinstance(ffn, list) and ffn else ffn
     if isinstance(ffn, bool) or not isinstance(ffn, int) or not 0 < ffn <= 1 << 20:
         raise QuantgateError(f"{path}: metadata {arch}.feed_forward_length = {str(ffn)[:40]} is not a positive integer")
@@ -190,7 +197,8 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
     emb_rows = int(tensors["token_embd.weight"].shape[1]) if len(tensors["token_embd.weight"].shape) == 2 else 0
     if emb_rows < 1:
         raise QuantgateError(f"{path}: token_embd.weight is not a matrix")
-    hp = {"vocab": emb_rows, "dim": n_embd, "heads": n_heads, "kv_heads": n_kv, "head_dim": head_dim, "ffn": ffn}
+    hp = {"vocab": emb_rows, "dim": n_embd, "heads": n_heads, "kv_heads": n_kv, "head_dim": head_dim, "ffn": ffn,
+          **moe}
     if identity or recurrent:
         hp.update(ssm_state=m.int(f"{arch}.ssm.state_size", hi=1 << 16),
                   ssm_inner=m.int(f"{arch}.ssm.inner_size", hi=1 << 20),
@@ -223,7 +231,8 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
         rope_base=m.float(f"{arch}.rope.freq_base", 10000.0),
         norm_eps=m.float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, hi=1.0),
         context_length=m.int(f"{arch}.context_length", 2048, hi=1 << 24), tensor_types=types, metadata=meta,
-        recurrent_layers=recurrent, nextn_layers=nextn, ssm={k[4:]: v for k, v in hp.items() if k.startswith("ssm_")} if recurrent else {})
+        recurrent_layers=recurrent, nextn_layers=nextn, ssm={k[4:]: v for k, v in hp.items() if k.startswith("ssm_")} if recurrent else {},
+        moe=moe)
 
 
 def _check_tensor_set(path: Path, arch: str, n_layers: int, identity: int, names: set[str], n_blocks: int,
@@ -368,6 +377,9 @@ def gguf_config(info: GGUFInfo, names: set[str], tok: Tokenizer) -> ModelConfig:
                                         for i in range(info.n_layers)),
                       linear_key_heads=ssm["groups"], linear_value_heads=ssm["heads"], linear_key_dim=ssm["state"],
                       linear_value_dim=ssm["inner"] // ssm["heads"], linear_conv_kernel=ssm["conv"])
+    if info.moe:
+        hybrid.update(n_experts=info.moe["experts"], n_experts_used=info.moe["used"],
+                      expert_ffn_dim=info.moe["expert_ffn"], shared_expert_ffn_dim=info.moe["shared_ffn"])
     try:
         return ModelConfig(vocab_size=info.vocab_size, dim=info.n_embd, n_layers=info.n_layers, n_heads=info.n_heads,
                            n_kv_heads=info.n_kv_heads, head_dim=info.head_dim, **hybrid,
@@ -411,6 +423,8 @@ def load_gguf_model(path: str | Path):
         for ours, theirs in (block_names if linear else layer_names).items():
             if f"blk.{i}.{theirs}" in names:
                 sd[f"layers.{i}.{ours}"] = read_tensor(reader, f"blk.{i}.{theirs}")
+        if cfg.is_moe:
+            sd.update(moe_from_gguf(cfg, lambda n: torch.from_numpy(read_tensor(reader, n)), i))
         if linear:
             sd.update(gdn_from_gguf(cfg, lambda n: torch.from_numpy(read_tensor(reader, n)), i))
             continue

@@ -17,8 +17,9 @@ from ..errors import QuantgateError
 from ..layouts import _fuse_interleaved, _split_interleaved
 from ..model import ModelConfig, rope_sections
 
-ARCHS = {"baseline": MODEL_ARCH.QWEN3, "gated": MODEL_ARCH.QWEN35}  # gated: every real layer full attention
-ARCH_NAMES = {role: MODEL_ARCH_NAMES[a] for role, a in ARCHS.items()}  # "qwen3", "qwen35"
+# gated: every real layer full attention, or a hybrid; moe: a Qwen3.5-MoE hybrid
+ARCHS = {"baseline": MODEL_ARCH.QWEN3, "gated": MODEL_ARCH.QWEN35, "moe": MODEL_ARCH.QWEN35MOE}
+ARCH_NAMES = {role: MODEL_ARCH_NAMES[a] for role, a in ARCHS.items()}  # "qwen3", "qwen35", "qwen35moe"
 SUPPORTED_ARCHS = tuple(ARCH_NAMES.values())
 
 
@@ -29,7 +30,9 @@ def tensor_name(t: MODEL_TENSOR, suffix: str = ".weight") -> str:
 
 def gguf_arch(cfg: ModelConfig) -> str:
     """qwen3 for an all-attention baseline; qwen35 for a gated model and for any hybrid (qwen3 has no GDN layers:
-    a hybrid baseline is written as qwen35 with zero gate rows and attn_output doubled)."""
+    a hybrid baseline is written as qwen35 with zero gate rows and attn_output doubled); qwen35moe for a MoE."""
+    if cfg.is_moe:
+        return ARCH_NAMES["moe"]
     return ARCH_NAMES["baseline" if cfg.gate == "none" and not cfg.is_hybrid else "gated"]
 
 
@@ -67,8 +70,45 @@ GDN_TENSORS = {
     "out_proj.weight": tensor_name(MODEL_TENSOR.SSM_OUT),
 }
 BLOCK_TENSORS = {k: v for k, v in LAYER_TENSORS.items() if not k.startswith("self_attn.")}
+
+# A mixture-of-experts MLP (qwen35moe): ours (under layers.{i}.mlp.) -> GGUF (under blk.{i}.); the routed experts'
+# projections are stacked into one 3-D tensor each ([E, F, D] / [E, D, F] in PyTorch order), as the converter
+# stacks HF's per-expert tensors (conversion/qwen.py, Qwen2MoeModel.modify_tensors).
+MOE_TENSORS = {
+    "gate.weight": tensor_name(MODEL_TENSOR.FFN_GATE_INP),
+    "shared_expert.gate_proj.weight": tensor_name(MODEL_TENSOR.FFN_GATE_SHEXP),
+    "shared_expert.up_proj.weight": tensor_name(MODEL_TENSOR.FFN_UP_SHEXP),
+    "shared_expert.down_proj.weight": tensor_name(MODEL_TENSOR.FFN_DOWN_SHEXP),
+    "shared_expert_gate.weight": tensor_name(MODEL_TENSOR.FFN_GATE_INP_SHEXP),
+}
+EXPERT_TENSORS = {"gate_proj.weight": tensor_name(MODEL_TENSOR.FFN_GATE_EXP),
+                  "up_proj.weight": tensor_name(MODEL_TENSOR.FFN_UP_EXP),
+                  "down_proj.weight": tensor_name(MODEL_TENSOR.FFN_DOWN_EXP)}
+DENSE_MLP_TENSORS = {k: v for k, v in BLOCK_TENSORS.items() if k.startswith("mlp.")}
 LINEAR_TO_GGUF.update({f"linear_attn.{ours.removesuffix('.weight')}": theirs for ours, theirs in GDN_TENSORS.items()
                        if ours.startswith(("in_proj", "out_proj"))})
+LINEAR_TO_GGUF.update({f"mlp.{ours.removesuffix('.weight')}": theirs for ours, theirs in MOE_TENSORS.items()})
+
+
+def moe_to_gguf(cfg: ModelConfig, sd, i: int):
+    """(GGUF name, tensor) of MoE layer i: router, shared expert and its gate as they are, each routed projection
+    stacked over the experts (one projection's experts held at a time)."""
+    for ours, theirs in MOE_TENSORS.items():
+        yield f"blk.{i}.{theirs}", sd[f"layers.{i}.mlp.{ours}"]
+    for ours, theirs in EXPERT_TENSORS.items():
+        yield f"blk.{i}.{theirs}", torch.stack([sd[f"layers.{i}.mlp.experts.{j}.{ours}"]
+                                                for j in range(cfg.n_experts)])
+
+
+def moe_from_gguf(cfg: ModelConfig, read, i: int) -> dict[str, torch.Tensor]:
+    """The inverse of moe_to_gguf: our MoE parameters of layer i from `read(gguf name) -> fp32 tensor`."""
+    out = {f"layers.{i}.mlp.{ours}": read(f"blk.{i}.{theirs}").reshape(-1, cfg.dim) for ours, theirs in
+           MOE_TENSORS.items() if not ours.endswith("down_proj.weight")}
+    out[f"layers.{i}.mlp.shared_expert.down_proj.weight"] = read(f"blk.{i}.{MOE_TENSORS['shared_expert.down_proj.weight']}")
+    for ours, theirs in EXPERT_TENSORS.items():
+        stacked = read(f"blk.{i}.{theirs}")
+        out.update({f"layers.{i}.mlp.experts.{j}.{ours}": stacked[j].contiguous() for j in range(cfg.n_experts)})
+    return out
 
 
 # A checkpoint's multi-token-prediction head (Qwen3.5: `mtp.*`, beside the text model) as llama.cpp's converter
@@ -86,23 +126,69 @@ MTP_NEXTN_TENSORS = {"fc.weight": tensor_name(MODEL_TENSOR.NEXTN_EH_PROJ),
 MTP_OPTIONAL = (tensor_name(MODEL_TENSOR.NEXTN_EMBED_TOKENS), tensor_name(MODEL_TENSOR.NEXTN_SHARED_HEAD_HEAD))
 
 
-def mtp_names(names: set[str], hf: dict, n_layers: int) -> dict[str, str]:
+# a MoE's MTP block has the routed MLP (qwen35moe's load_block_mtp): router and shared expert 1:1, the experts
+# stacked (per-expert storage) or split (fused gate_up_proj; a fused down_proj is already the stacked tensor)
+MTP_MOE_TENSORS = {f"mlp.{k}": v for k, v in MOE_TENSORS.items()}
+
+
+def _mtp_rest(name: str) -> str | None:
+    """`name` under the checkpoint's MTP head, without its `mtp.` (or `model.mtp.`) prefix; None elsewhere."""
+    rest = name[len("model."):] if name.startswith("model.mtp.") else name
+    return rest[len("mtp."):] if rest.startswith("mtp.") else None
+
+
+def mtp_names(names: set[str], hf: dict, n_layers: int, moe: bool = False) -> dict[str, str]:
     """The checkpoint's MTP tensor -> its GGUF name (block n_layers + j); {} when the checkpoint has no MTP head.
-    A name under mtp.* that the tables do not know is refused: it would be dropped silently otherwise."""
+    A name under mtp.* that the tables do not know is refused: it would be dropped silently otherwise. With `moe`,
+    the block's MLP is the routed one; its experts are mtp_expert_recipes', not listed here."""
+    block = dict(MTP_BLOCK_TENSORS)
+    if moe:
+        block = {k: v for k, v in block.items() if not k.startswith("mlp.")} | MTP_MOE_TENSORS
     out = {}
     for name in sorted(names):
-        rest = name[len("model."):] if name.startswith("model.mtp.") else name
-        if not rest.startswith("mtp."):
+        rest = _mtp_rest(name)
+        if rest is None:
             continue
-        rest = rest[len("mtp."):]
         parts = rest.split(".", 2)
-        if len(parts) == 3 and parts[0] == "layers" and parts[1].isdecimal() and parts[2] in MTP_BLOCK_TENSORS:
-            out[name] = f"blk.{n_layers + int(parts[1])}.{MTP_BLOCK_TENSORS[parts[2]]}"
+        if moe and len(parts) == 3 and parts[2].startswith("mlp.experts."):
+            continue
+        if len(parts) == 3 and parts[0] == "layers" and parts[1].isdecimal() and parts[2] in block:
+            out[name] = f"blk.{n_layers + int(parts[1])}.{block[parts[2]]}"
         elif rest in MTP_NEXTN_TENSORS:
             out[name] = f"blk.{n_layers}.{MTP_NEXTN_TENSORS[rest]}"
         else:
             raise QuantgateError(f"tensor {name}: a multi-token-prediction tensor quantgate does not know how to "
                                  f"write to GGUF (export with --no-mtp to leave the head out)")
+    return out
+
+
+def mtp_expert_recipes(names: set[str], n_layers: int, n_experts: int) -> dict[str, tuple[str, list[str]]]:
+    """A MoE's MTP experts: GGUF name -> (how, the checkpoint tensors it is made of): "stack" the per-expert
+    tensors in expert order, "gate"/"up" the first/second half of a fused gate_up_proj's rows, "whole" a fused
+    down_proj. An expert tensor that fits neither form is refused."""
+    per: dict[tuple[int, str], dict[int, str]] = {}
+    out: dict[str, tuple[str, list[str]]] = {}
+    for name in sorted(names):
+        rest = _mtp_rest(name)
+        if rest is None or ".mlp.experts." not in f".{rest}":
+            continue
+        parts = rest.split(".")  # layers.{j}.mlp.experts.{k}.{proj}.weight, or layers.{j}.mlp.experts.{fused}
+        j = n_layers + int(parts[1]) if parts[1].isdecimal() else None
+        if j is not None and len(parts) == 5 and parts[4] in ("gate_up_proj", "down_proj"):
+            if parts[4] == "down_proj":
+                out[f"blk.{j}.{EXPERT_TENSORS['down_proj.weight']}"] = ("whole", [name])
+            else:
+                for half, proj in (("gate", "gate_proj.weight"), ("up", "up_proj.weight")):
+                    out[f"blk.{j}.{EXPERT_TENSORS[proj]}"] = (half, [name])
+        elif j is not None and len(parts) == 7 and parts[4].isdecimal() and f"{parts[5]}.weight" in EXPERT_TENSORS:
+            per.setdefault((j, f"{parts[5]}.weight"), {})[int(parts[4])] = name
+        else:
+            raise QuantgateError(f"tensor {name}: a multi-token-prediction expert tensor quantgate does not know how to "
+                                 f"write to GGUF (export with --no-mtp to leave the head out)")
+    for (j, proj), by_expert in per.items():
+        if sorted(by_expert) != list(range(n_experts)):
+            raise QuantgateError(f"the MTP head's experts of {proj} are incomplete ({len(by_expert)} of {n_experts})")
+        out[f"blk.{j}.{EXPERT_TENSORS[proj]}"] = ("stack", [by_expert[k] for k in range(n_experts)])
     return out
 
 
@@ -295,7 +381,29 @@ class Qwen35Arch(GgufArch):
             w.add_array(f"{self.name}.attention.recurrent_layers", [False] * cfg.n_layers + [True] * n_identity)
 
 
-GGUF_ARCHS: dict[str, GgufArch] = {a.name: a for a in (Qwen3Arch(), Qwen35Arch())}
+class Qwen35MoeArch(Qwen35Arch):
+    """Qwen3.5-MoE's text decoder (llama.cpp qwen35moe): the qwen35 hybrid with every MLP a routed mixture of
+    experts (ffn_gate_inp, ffn_{gate,up,down}_exps) plus a shared expert behind its sigmoid gate
+    (ffn_gate_inp_shexp). llama.cpp routes with softmax, top expert_used_count, renormalised (build_moe_ffn with
+    norm_w), as transformers does."""
+    name = ARCH_NAMES["moe"]
+    identity_layers = False
+
+    def cannot_hold(self, cfg: ModelConfig) -> str | None:
+        if not cfg.is_hybrid:
+            return ("a mixture-of-experts model without Gated DeltaNet layers has no llama.cpp architecture quantgate "
+                    "writes (qwen35moe is a hybrid)")
+        return super().cannot_hold(cfg)
+
+    def write_header(self, w, cfg: ModelConfig, shape: IdentityLayerShape, n_identity: int, n_mtp: int = 0) -> None:
+        super().write_header(w, cfg, shape, n_identity, n_mtp)
+        w.add_expert_count(cfg.n_experts)
+        w.add_expert_used_count(cfg.n_experts_used)
+        w.add_expert_feed_forward_length(cfg.expert_ffn_dim)
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_ffn_dim)
+
+
+GGUF_ARCHS: dict[str, GgufArch] = {a.name: a for a in (Qwen3Arch(), Qwen35Arch(), Qwen35MoeArch())}
 POST_ATTENTION_NORM = {name: a.post_attention_norm for name, a in GGUF_ARCHS.items()}
 
 
@@ -312,10 +420,17 @@ def expected_tensor_names(arch: str, n_layers: int, tied: bool, identity: int, r
     names |= set() if tied else {GLOBAL_TENSORS["lm_head.weight"]}
     per_layer = set(LAYER_TENSORS.values()) | {POST_ATTENTION_NORM[arch], Q_TENSOR}
     per_gdn = set(BLOCK_TENSORS.values()) | {POST_ATTENTION_NORM[arch]} | set(GDN_TENSORS.values())
+    if arch == ARCH_NAMES["moe"]:  # every MLP (the MTP block's too) is the routed one
+        moe = set(MOE_TENSORS.values()) | set(EXPERT_TENSORS.values())
+        per_layer = per_layer - set(DENSE_MLP_TENSORS.values()) | moe
+        per_gdn = per_gdn - set(DENSE_MLP_TENSORS.values()) | moe
     names |= {f"blk.{i}.{n}" for i in range(n_layers) for n in (per_gdn if i in recurrent else per_layer)}
     names |= {f"blk.{n_layers + k}.{n}" for k in range(identity) for n in IDENTITY_TENSORS}
     first = n_layers + identity
-    names |= {f"blk.{first + j}.{n}" for j in range(nextn) for n in MTP_BLOCK_TENSORS.values()}
+    mtp_block = set(MTP_BLOCK_TENSORS.values())
+    if arch == ARCH_NAMES["moe"]:
+        mtp_block = mtp_block - set(DENSE_MLP_TENSORS.values()) | set(MOE_TENSORS.values()) | set(EXPERT_TENSORS.values())
+    names |= {f"blk.{first + j}.{n}" for j in range(nextn) for n in mtp_block}
     names |= {f"blk.{first}.{n}" for n in MTP_NEXTN_TENSORS.values()} if nextn else set()
     return names
 
@@ -347,4 +462,13 @@ def expected_tensor_shapes(arch: str, n_layers: int, identity: int, hp: dict, re
         with torch.device("meta"):
             for i in (*recurrent, *range(n_layers, n_layers + identity)):
                 shapes |= {n: tuple(t.shape) for n, t in identity_recurrent_layer(cfg, shape, i).items()}
+    if arch == ARCH_NAMES["moe"]:  # the routed MLP in place of the dense one, in every block
+        E, Fe, Fs = hp["experts"], hp["expert_ffn"], hp["shared_ffn"]
+        moe = {MOE_TENSORS["gate.weight"]: (E, D), MOE_TENSORS["shared_expert.gate_proj.weight"]: (Fs, D),
+               MOE_TENSORS["shared_expert.up_proj.weight"]: (Fs, D), MOE_TENSORS["shared_expert.down_proj.weight"]: (D, Fs),
+               MOE_TENSORS["shared_expert_gate.weight"]: (1, D), EXPERT_TENSORS["gate_proj.weight"]: (E, Fe, D),
+               EXPERT_TENSORS["up_proj.weight"]: (E, Fe, D), EXPERT_TENSORS["down_proj.weight"]: (E, D, Fe)}
+        dense = set(DENSE_MLP_TENSORS.values())
+        shapes = {n: sh for n, sh in shapes.items() if n.split(".", 2)[-1] not in dense}
+        shapes |= {f"blk.{i}.{n}": sh for i in range(n_layers + nextn) for n, sh in moe.items()}
     return shapes
