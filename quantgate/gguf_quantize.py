@@ -28,7 +28,7 @@ from .capture import capture
 from .errors import DiskFull, QuantgateError
 from .formats import load_checkpoint
 from .formats.gguf import inspect_gguf
-from .formats.gguf_layout import GGUF_ARCHS, LINEAR_TO_GGUF, tiled_heads
+from .formats.gguf_layout import EXPERT_TENSORS, GGUF_ARCHS, LINEAR_TO_GGUF, tiled_heads
 from .fsio import atomic_path, check_output
 from .quant.schemes import GGUF_FILE_TYPES, NEEDS_IMATRIX, ggml_type, llama_file_type, with_gate_bits
 
@@ -46,7 +46,10 @@ HYBRID_KEPT = [[r"ssm_(alpha|beta)\.weight", "Q8_0"]]
 
 
 def importance_matrix(model, windows: np.ndarray, batch: int = 4) -> dict[str, np.ndarray]:
-    """GGUF tensor name -> mean of x^2 per input column of that tensor's input, over every token."""
+    """GGUF tensor name -> mean of x^2 per input column of that tensor's input, over every token. A MoE's stacked
+    expert tensor gets one such row per expert, concatenated in expert order (llama.cpp's layout: n_per_row x
+    n_expert values), each over the tokens routed to that expert; an expert no calibration token reached gets ones
+    (what quantizing without an importance matrix assumes)."""
 
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
@@ -66,20 +69,36 @@ def importance_matrix(model, windows: np.ndarray, batch: int = 4) -> dict[str, n
             gname = "output.weight" if not model.cfg.tie_embeddings else None
         elif mname.startswith("layers."):
             i, _, rest = mname[len("layers."):].partition(".")
-            gname = f"blk.{i}.{LINEAR_TO_GGUF[rest]}" if rest != "self_attn.g_proj" else None
+            expert = _expert_slot(rest)
+            gname = f"blk.{i}.{expert[0]}#{expert[1]}" if expert else \
+                f"blk.{i}.{LINEAR_TO_GGUF[rest]}" if rest != "self_attn.g_proj" else None
         else:
             gname = None
         if gname:
             hooks.append((mod, hook_for(gname)))
     capture(model, windows, pre=hooks, batch=batch)
-    im = {k: (sums[k] / counts[k]).numpy().astype(np.float32) for k in sums}
+    im = {k: (sums[k] / counts[k]).numpy().astype(np.float32) for k in sums if "#" not in k}
     cfg = model.cfg
+    for i in range(cfg.n_layers) if cfg.is_moe else ():
+        for proj, theirs in EXPERT_TENSORS.items():
+            n_in = cfg.expert_ffn_dim if proj.startswith("down") else cfg.dim
+            key = f"blk.{i}.{theirs}"
+            im[key] = np.concatenate([(sums[f"{key}#{j}"] / counts[f"{key}#{j}"]).numpy() if f"{key}#{j}" in sums
+                                      else np.ones(n_in) for j in range(cfg.n_experts)]).astype(np.float32)
     for i in range(cfg.n_layers):  # ssm_out's input columns are the value channels, which the export reorders
         name = f"blk.{i}.{LINEAR_TO_GGUF['linear_attn.out_proj']}"
         if name in im:
             rows = (tiled_heads(cfg)[:, None] * cfg.linear_value_dim + torch.arange(cfg.linear_value_dim)).reshape(-1)
             im[name] = im[name][rows.numpy()]
     return im
+
+
+def _expert_slot(rest: str) -> tuple[str, int] | None:
+    """(GGUF stacked tensor, expert j) for `mlp.experts.{j}.{proj}` under a layer, else None."""
+    parts = rest.split(".")
+    if len(parts) == 4 and parts[:2] == ["mlp", "experts"] and parts[2].isdecimal():
+        return EXPERT_TENSORS[parts[3] + ".weight"], int(parts[2])
+    return None
 
 
 def quantize_gguf(src: str | Path, out: str | Path, qtype: str, imatrix: str | None = None, gate_bits: int | None = None,
@@ -139,6 +158,10 @@ def quantize_gguf(src: str | Path, out: str | Path, qtype: str, imatrix: str | N
             "bytes": out.stat().st_size, "src_bytes": src.stat().st_size,
             "bits_per_weight": round(result.bits_per_weight, 3), "tensor_type_counts": counts,
             "attn_q_types": sorted({t for n, t in result.tensor_types.items() if n.endswith(".attn_q.weight")}),
+            **({"router_types": sorted({t for n, t in result.tensor_types.items() if n.endswith(".ffn_gate_inp.weight")}),
+                "shared_expert_gate_types": sorted({t for n, t in result.tensor_types.items()
+                                                    if n.endswith(".ffn_gate_inp_shexp.weight")})}
+               if info.arch == "qwen35moe" else {}),
             **({"gdn_gate_types": sorted({t for n, t in result.tensor_types.items() if n.endswith(".attn_gate.weight")}),
                 "kept_high": {n: t for n, t in result.tensor_types.items() if n.endswith(("ssm_alpha.weight",
                                                                                          "ssm_beta.weight"))}}

@@ -13,8 +13,9 @@ same tensors on every backend:
 | `gate`       | the gate rows W_g only                           | `g_proj`          | not expressible (*)   | not expressible (*) |
 | `q_and_gate` | the whole q|gate projection (q rows and W_g rows) | `q_proj`+`g_proj` | the fused `qg_proj` MatMul | `attn_q` |
 
-In a hybrid, `q_and_gate` also keeps every Gated DeltaNet's output gate (`in_proj_z`; llama.cpp `attn_gate`) on
-onnxruntime and llama.cpp.
+In a hybrid, `q_and_gate` also keeps every Gated DeltaNet's output gate (`in_proj_z`; llama.cpp `attn_gate`), on
+every backend. A MoE's router and shared-expert gate (its third gate) stay float under every scheme: llama.cpp
+keeps `ffn_gate_inp` and `ffn_gate_inp_shexp` F32 whatever the type, and torch skips both (simulate.FLOAT_LINEARS).
 
 (*) the exports fuse q and gate rows into one tensor (one MatMul; qwen35's `attn_q`), so a backend quantizing
 that tensor can keep both rows or neither. The names are the ones each backend had before this registry

@@ -25,9 +25,17 @@ from .schemes import TorchScheme as Scheme
 PERCENTILE_SAMPLE = 1 << 18  # input values kept per Linear and batch for percentile ranges
 
 
+# A MoE's router and its shared expert's gate stay float under every scheme: llama.cpp keeps both F32 whatever the
+# type (llama-quant.cpp), and MoE recipes elsewhere (llm-compressor's ignore of `mlp.gate`) do the same, since a
+# rounded router changes which experts run.
+FLOAT_LINEARS = (".mlp.gate", ".mlp.shared_expert_gate")
+
+
 def block_linears(model: Model) -> dict[str, nn.Linear]:
-    """The Linears a scheme quantizes: every projection inside the decoder blocks."""
-    return {f"layers.{name}": m for name, m in model.layers.named_modules() if isinstance(m, (nn.Linear, QuantLinear))}
+    """The Linears a scheme quantizes: every projection inside the decoder blocks (a MoE's router and shared-expert
+    gate aside: FLOAT_LINEARS)."""
+    return {f"layers.{name}": m for name, m in model.layers.named_modules()
+            if isinstance(m, (nn.Linear, QuantLinear)) and not f".{name}".endswith(FLOAT_LINEARS)}
 
 
 @dataclass
@@ -76,6 +84,8 @@ def calibrate(model: Model, windows: np.ndarray, scheme: Scheme, batch: int = 4)
     if scheme.act == "static" and scheme.calib == "percentile":
         q = torch.tensor([(100 - scheme.percentile) / 100, scheme.percentile / 100])
         for n, s in samples.items():
+            if not s:  # a MoE expert no calibration token reached: quantize_ takes its siblings' range
+                continue
             lo_hi = torch.quantile(torch.cat(s), q)
             cal.ranges[n] = ActRange(float(lo_hi[0]), float(lo_hi[1]))
     elif scheme.act == "static":
@@ -85,7 +95,7 @@ def calibrate(model: Model, windows: np.ndarray, scheme: Scheme, batch: int = 4)
 
 KEEP_SCOPE_LINEARS = {  # KeepAt scope -> the block Linears it names in our model (quantgate.quant.schemes.SCOPES)
     "gate": ("self_attn.g_proj",),
-    "q_and_gate": ("self_attn.q_proj", "self_attn.g_proj"),
+    "q_and_gate": ("self_attn.q_proj", "self_attn.g_proj", "linear_attn.in_proj_z"),  # SCOPES: a hybrid's z too
 }
 
 
@@ -108,6 +118,21 @@ def block_bits_per_weight(model: Model) -> float:
     return bits / total
 
 
+def _sibling_range(cal: Calibration, name: str) -> ActRange:
+    """A static range for a MoE expert's projection that no calibration token reached: the union of the ranges the
+    same projection of the layer's other experts saw (they read the same normed input, or the same kind of hidden).
+    Written by hand: the alternative, routing every calibration token to every expert (llm-compressor's
+    calibrate-all-experts), needs a second forward path through the MoE."""
+    parts = name.split(".")  # layers.{i}.mlp.experts.{j}.{proj}
+    if len(parts) != 6 or parts[2:4] != ["mlp", "experts"]:
+        raise QuantgateError(f"{name}: no activation range was calibrated (no calibration token reached it)")
+    prefix, proj = ".".join(parts[:4]) + ".", parts[5]
+    seen = [r for n, r in cal.ranges.items() if n.startswith(prefix) and n.endswith("." + proj) and r.lo <= r.hi]
+    if not seen:
+        raise QuantgateError(f"{name}: no calibration token reached any expert of this layer; use more --calib-windows")
+    return ActRange(min(r.lo for r in seen), max(r.hi for r in seen))
+
+
 def quantize_(model: Model, scheme: Scheme, calib_windows: np.ndarray | None = None,
               only: Callable[[str], bool] | None = None) -> Model:
     """Replace every block Linear by a QuantLinear under `scheme`. Returns the same model object.
@@ -116,6 +141,9 @@ def quantize_(model: Model, scheme: Scheme, calib_windows: np.ndarray | None = N
     """
     if scheme.smooth_alpha is not None:
         attention_only(model.cfg, f"scheme {scheme.name} (SmoothQuant)")
+    if scheme.sink_aware and model.cfg.is_moe:  # experts see routed tokens, flattened: no first position to skip
+        raise QuantgateError(f"scheme {scheme.name} (sink-aware) does not apply to mixture-of-experts models: an "
+                             f"expert's input has no first position")
     if scheme.gate_bits is not None and model.cfg.gate == "none":
         raise QuantgateError(f"scheme {scheme.name} keeps the gate at {scheme.gate_bits} bits, "
                              f"but this model has no attention gate")
@@ -135,11 +163,14 @@ def quantize_(model: Model, scheme: Scheme, calib_windows: np.ndarray | None = N
             g = scheme.group_size
             if g is not None and w.shape[1] % g:
                 raise QuantgateError(f"{name}: group size {g} does not divide the layer's input width {w.shape[1]}")
-            if scheme.method == "gptq":
+            if scheme.method == "gptq" and name in cal.hessians:
                 w = gptq_quantize(w, cal.hessians[name], bits, g)
-            else:
+            else:  # RTN; under GPTQ only for a MoE expert no calibration token was routed to (no Hessian)
                 w = quantize_weight(w, bits, g)
-        q = QuantLinear(w.to(lin.weight.dtype), act=scheme.act, act_bits=scheme.act_bits, act_range=cal.ranges.get(name),
+        act_range = cal.ranges.get(name)
+        if scheme.act == "static" and (act_range is None or act_range.lo > act_range.hi):  # nothing was observed
+            act_range = _sibling_range(cal, name)
+        q = QuantLinear(w.to(lin.weight.dtype), act=scheme.act, act_bits=scheme.act_bits, act_range=act_range,
                         symmetric=scheme.symmetric, skip_first_position=scheme.sink_aware,
                         weight_bits=bits, group_size=scheme.group_size)
         parent_name, _, child = name.rpartition(".")
