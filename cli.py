@@ -518,6 +518,20 @@ def analyze(model, data, n_windows, ctx, split, seed, compare, json_out, plots, 
             t.add_row(str(l["layer"]), *kind, f"{l['max_abs']:.1f}", str(l["max_position"]), str(l["max_channel"]),
                       f"{l['max_over_median']:.1f}", *bos, *gate)
         out.print(t)
+        routed = [l for l in rep["layers"] if "routing" in l]
+        if routed:  # a MoE: how the router spreads tokens, and the shared expert's gate
+            t = Table(title=f"{name}: expert routing ({routed[0]['routing']['experts']} experts, "
+                            f"{routed[0]['routing']['tokens']} tokens per layer)")
+            for col in ("layer", "dead", "max/uniform", "load entropy", "top-1 w", "shared gate", "s<0.1"):
+                t.add_column(col, justify="right")
+            for l in routed:
+                r = l["routing"]
+                t.add_row(str(l["layer"]), str(r["dead_experts"]), f"{r['max_share_over_uniform']:.2f}",
+                          f"{r['load_entropy']:.3f}", f"{r['top1_weight_mean']:.3f}", f"{r['shared_gate_mean']:.3f}",
+                          f"{r['shared_gate_frac_below_0.1']:.1%}")
+            t.caption = ("load entropy: of each expert's share of routed slots, over log E (1 = even); shared gate: "
+                         "sigmoid(x W_s) on the shared expert")
+            out.print(t)
         worst = max(rep["linear_inputs"].items(), key=lambda kv: kv[1]["kurtosis"])
         out.print(f"highest linear-input kurtosis: {worst[0]} = {worst[1]['kurtosis']:.1f} "
                   f"(max |x| {worst[1]['max_abs']:.1f})")

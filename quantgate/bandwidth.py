@@ -77,13 +77,16 @@ class DecodeBytes:
 
 def gguf_decode_bytes(path: str | Path, kv_bytes_per_value: float = 2.0) -> DecodeBytes:
     """Per-token reads of a GGUF: every tensor but the token embedding (read whole when it is also the output,
-    i.e. no output.weight), an F16 (default) KV cache over the attention layers, and the recurrent states (F32)."""
+    i.e. no output.weight), of a MoE's stacked experts only the expert_used_count of expert_count that one token
+    runs, an F16 (default) KV cache over the attention layers, and the recurrent states (F32)."""
     reader = open_reader(path)
     info = inspect_gguf(path)
     mtp = tuple(f"blk.{i}." for i in range(info.n_blocks - info.nextn_layers, info.n_blocks))  # a draft's, not read
     sizes = {t.name: int(t.n_bytes) for t in reader.tensors if not t.name.startswith(mtp or ("\0",))}
     tied = "output.weight" not in sizes
-    weights = sum(b for n, b in sizes.items() if tied or n != "token_embd.weight")
+    active = info.moe["used"] / info.moe["experts"] if info.moe else 1.0
+    weights = int(sum(b * (active if n.endswith("_exps.weight") else 1) for n, b in sizes.items()
+                      if tied or n != "token_embd.weight"))
     n_attn = info.n_layers - len(info.recurrent_layers)
     kv = int(2 * n_attn * info.n_kv_heads * info.head_dim * kv_bytes_per_value)
     state = 0
@@ -124,8 +127,9 @@ def torch_decode_bytes(model) -> DecodeBytes:
     """Per-token reads of our PyTorch model in its own dtype: parameters but an untied embedding, fp32 KV, states."""
     cfg = model.cfg
     item = next(model.parameters()).element_size()
-    weights = sum(p.numel() for n, p in model.named_parameters()
-                  if cfg.tie_embeddings or not n.startswith("embed_tokens")) * item
+    active = cfg.n_experts_used / cfg.n_experts if cfg.is_moe else 1.0  # one token runs k of the routed experts
+    weights = int(sum(p.numel() * (active if ".mlp.experts." in n else 1) for n, p in model.named_parameters()
+                      if cfg.tie_embeddings or not n.startswith("embed_tokens")) * item)
     n_attn = sum(1 for i in range(cfg.n_layers) if cfg.layer_type(i) != "linear_attention")
     kv = 2 * n_attn * cfg.n_kv_heads * cfg.head_dim * 4
     state = (cfg.n_layers - n_attn) * 4 * cfg.linear_value_heads * cfg.linear_key_dim * cfg.linear_value_dim \

@@ -54,6 +54,11 @@ def _header(path: str):
     return loaded.model.cfg, loaded.layout, loaded.model.num_params(), loaded.tokenizer, facts
 
 
+def header_config(path):
+    """The ModelConfig of any artifact, from its headers (nothing loaded)."""
+    return _header(str(path))[0]
+
+
 def param_count(path) -> int:
     """Parameters of any artifact, from its headers where the format allows (as `info` counts them)."""
     return _header(str(path))[2]
@@ -70,6 +75,12 @@ def model_info(path: str) -> dict:
                                      "key_dim": cfg.linear_key_dim, "value_dim": cfg.linear_value_dim,
                                      "conv_kernel": cfg.linear_conv_kernel},
                   **cache_bytes(cfg)}
+    if cfg.is_moe:  # routed experts: what each token runs is the active part
+        D, E, k = cfg.dim, cfg.n_experts, cfg.n_experts_used
+        per_expert = 3 * D * cfg.expert_ffn_dim
+        hybrid["experts"] = {"routed": E, "per_token": k, "expert_ffn": cfg.expert_ffn_dim,
+                             "shared_expert_ffn": cfg.shared_expert_ffn_dim,
+                             "active_params": n_params - cfg.n_layers * (E - k) * per_expert}
     skipped = cfg.extra.get("skipped_tensors")
     if skipped:
         hybrid["not_read"] = ", ".join(f"{part} ({n} tensors)" for part, n in sorted(skipped.items()))

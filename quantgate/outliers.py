@@ -8,7 +8,10 @@
 - linear-input outliers: max |x| and kurtosis of the input of every linear layer;
 - gate: per layer and head, the mean of sigmoid(X W_g) and the fraction of values below 0.1;
 - hybrids: attention sinks on the full-attention layers only (a Gated DeltaNet layer has no attention
-  probabilities), and the GDN's own output gate silu(z) per value head: its mean and the fraction |silu(z)| < 0.1.
+  probabilities), and the GDN's own output gate silu(z) per value head: its mean and the fraction |silu(z)| < 0.1;
+- mixture of experts: per layer, how the router spreads tokens (each expert's share of the routed slots, the
+  experts no token reached, the load's max over uniform and its normalised entropy, the mean top-1 weight) and
+  the shared expert's gate sigmoid(x W_s), the model's third gate: its mean and fraction below 0.1.
 
 Everything is accumulated batch by batch with forward hooks and the model's probe path, so the only
 per-layer state kept is a bounded sample of |h| for the median.
@@ -21,7 +24,7 @@ import numpy as np
 import torch
 
 from .capture import capture
-from .model import Model
+from .model import Model, route
 
 MEDIAN_SAMPLE = 1 << 20  # |h| values kept per layer for the median (exact below this count)
 
@@ -72,6 +75,12 @@ class LayerAccumulator:
     gdn_sum: torch.Tensor | None = None  # per value head: mean silu(z), fraction |silu(z)| < 0.1
     gdn_low: torch.Tensor | None = None
     gdn_count: int = 0
+    expert_load: torch.Tensor | None = None  # MoE: routed token slots per expert
+    top1_sum: float = 0.0
+    route_count: int = 0
+    shared_sum: float = 0.0  # MoE: sigmoid of the shared expert's gate, summed, and how often it is < 0.1
+    shared_low: float = 0.0
+    shared_count: int = 0
 
 
 GATE_BINS = np.linspace(0.0, 1.0, 51)
@@ -108,7 +117,30 @@ class OutlierCollector:
                  if not layer.is_linear and layer.self_attn.g_proj is not None]
         gdn = [(layer.linear_attn.in_proj_z, self._gdn_gate_hook(i)) for i, layer in enumerate(self.model.layers)
                if layer.is_linear]
-        return gates + gdn + [(self.model, self._batch_done)]
+        moe = [h for i, layer in enumerate(self.model.layers) if self.model.cfg.is_moe
+               for h in ((layer.mlp.gate, self._router_hook(i)), (layer.mlp.shared_expert_gate, self._shared_hook(i)))]
+        return gates + gdn + moe + [(self.model, self._batch_done)]
+
+    def _router_hook(self, i: int):
+        E, k = self.model.cfg.n_experts, self.model.cfg.n_experts_used
+
+        def hook(_mod, _args, out):
+            w, idx = route(out.detach(), k)  # the model's own routing rule, on the logits it computed
+            acc = self.layers[i]
+            load = torch.bincount(idx.reshape(-1), minlength=E).double()
+            acc.expert_load = load if acc.expert_load is None else acc.expert_load + load
+            acc.top1_sum += float(w[:, 0].sum())
+            acc.route_count += w.shape[0]
+        return hook
+
+    def _shared_hook(self, i: int):
+        def hook(_mod, _args, out):
+            g = torch.sigmoid(out.detach().double())
+            acc = self.layers[i]
+            acc.shared_sum += float(g.sum())
+            acc.shared_low += float((g < 0.1).sum())
+            acc.shared_count += g.numel()
+        return hook
 
     def _gdn_gate_hook(self, i: int):
         Hv = self.model.cfg.linear_value_heads
@@ -197,12 +229,29 @@ class OutlierCollector:
             if acc.gdn_count:
                 entry["gdn_gate_mean"] = (acc.gdn_sum / acc.gdn_count).tolist()
                 entry["gdn_gate_frac_below_0.1"] = (acc.gdn_low / acc.gdn_count).tolist()
+            if acc.route_count:
+                entry["routing"] = routing_stats(acc)
             layers.append(entry)
         linear = {name: {"max_abs": m.max_abs, "kurtosis": m.kurtosis(), "n": m.n}
                   for name, m in sorted(self.linear.items())}
         return {"windows": self._windows_seen, "layers": layers, "linear_inputs": linear,
                 # a head spreading attention evenly gives BOS mean(1/(q+1)) over queries q = 1..T-1
                 "uniform_bos_share": float(np.mean(1.0 / np.arange(2, self._ctx + 1))), "ctx": self._ctx}
+
+
+def routing_stats(acc: LayerAccumulator) -> dict:
+    """One MoE layer's routing over every token analysed: each expert's share of the routed slots (uniform is
+    1/E), the experts no token reached, max share over uniform, the load's entropy over log E (1 = even), the
+    mean top-1 weight, and the shared expert's gate."""
+    share = acc.expert_load / acc.expert_load.sum()
+    E = share.numel()
+    nz = share[share > 0]
+    return {"experts": E, "tokens": acc.route_count, "expert_share": share.tolist(),
+            "dead_experts": int((acc.expert_load == 0).sum()), "max_share_over_uniform": float(share.max() * E),
+            "load_entropy": float(-(nz * nz.log()).sum() / np.log(E)) if E > 1 else 1.0,
+            "top1_weight_mean": acc.top1_sum / acc.route_count,
+            "shared_gate_mean": acc.shared_sum / acc.shared_count,
+            "shared_gate_frac_below_0.1": acc.shared_low / acc.shared_count}
 
 
 def analyze_model(model: Model, windows: np.ndarray, batch: int = 4, top_k: int = 8) -> dict:
