@@ -178,9 +178,14 @@ def _stored(ckpt, theirs: str, plus_one: bool, meta: bool = False) -> torch.Tens
 F16_MAX = 65504.0
 
 
+# tensors llama.cpp's converter always writes F32 (conversion/base.py, the list its quantizer mirrors): the conv,
+# which llama.cpp's op takes in F32 only, and a MoE's router and shared-expert gate
+ALWAYS_F32 = ("ssm_conv1d.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+
+
 def _out_kind(t: torch.Tensor, outtype: str, name: str) -> str:
-    """Matrices take the out type; 1-D tensors (norms, biases) and conv weights stay F32 as llama.cpp expects."""
-    if t.ndim == 1 or outtype == "f32" or name.endswith("ssm_conv1d.weight"):  # llama.cpp's conv op takes F32 only
+    """Matrices take the out type; 1-D tensors (norms, biases) and ALWAYS_F32 stay F32 as llama.cpp expects."""
+    if t.ndim == 1 or outtype == "f32" or name.endswith(ALWAYS_F32):
         return "f32"
     return outtype
 
