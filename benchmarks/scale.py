@@ -64,14 +64,26 @@ def qwen35(dim: int, layers: int, heads: int, kv: int, value_heads: int, ffn: in
                    linear_value_dim=128)
 
 
+def qwen35_moe(layers: int) -> ModelConfig:
+    """Qwen3.5-35B-A3B / Qwen3.6-35B-A3B (QWEN35.md section 1.3: d 2048, heads 16/2 x 256, GDN 16/32 x 128, 256
+    experts of 512, top 8, a shared expert of 512, untied) with `layers` of its 40 layers: every tensor has the
+    released shape, the model is scaled to fit this machine's disk by depth alone."""
+    base = replace(qwen35(2048, layers, 16, 2, 32, 512, False), n_experts=256, n_experts_used=8, expert_ffn_dim=512,
+                   shared_expert_ffn_dim=512)
+    return base
+
+
 SHAPES = {
     "qwen35-0.8b": lambda: qwen35(1024, 24, 8, 2, 16, 3584, True),
     "qwen35-2b": lambda: qwen35(2048, 24, 8, 2, 16, 6144, True),
     "qwen35-4b": lambda: qwen35(2560, 32, 16, 4, 32, 9216, True),
     "qwen35-9b": lambda: qwen35(4096, 32, 16, 4, 32, 12288, False),
+    "qwen35-35b-a3b-8l": lambda: qwen35_moe(8),  # 8 of the 40 layers: 8.7 B parameters with the MTP head
     "smoke": lambda: replace(hybrid(ModelConfig(vocab_size=4096, dim=256, n_layers=4, n_heads=2, n_kv_heads=1,
                                                 head_dim=128, ffn_dim=512, max_seq_len=4096, gate="elementwise")),
                              linear_key_heads=2, linear_value_heads=4, linear_key_dim=64, linear_value_dim=64),
+    "smoke-moe": lambda: replace(SHAPES["smoke"](), n_experts=16, n_experts_used=4, expert_ffn_dim=256,
+                                 shared_expert_ffn_dim=256),
 }
 
 WRAPPER = """
@@ -101,12 +113,18 @@ def qg(*args: str) -> list[str]:
 
 # --- the checkpoint, written tensor by tensor --------------------------------------------------------------------
 
+def layout_of(cfg: ModelConfig):
+    return LAYOUTS["qwen3_5_moe" if cfg.is_moe else "qwen3_5"]
+
+
 def released_config(cfg: ModelConfig) -> dict:
-    """config.json as Qwen3.5's released multimodal checkpoints nest it."""
-    text = config_to_hf(cfg, LAYOUTS["qwen3_5"])
+    """config.json as Qwen3.5's released multimodal checkpoints nest it (Qwen3.5-MoE's the same way)."""
+    lay = layout_of(cfg)
+    text = config_to_hf(cfg, lay)
     text.pop("quantgate")
     text.update(torch_dtype="bfloat16", mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
-    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+    arch = "Qwen3_5MoeForConditionalGeneration" if cfg.is_moe else "Qwen3_5ForConditionalGeneration"
+    return {"architectures": [arch], "model_type": lay.multimodal_type,
             "tie_word_embeddings": cfg.tie_embeddings, "text_config": text,
             "vision_config": {"depth": 1, "hidden_size": 64, "out_hidden_size": cfg.dim}}
 
@@ -116,7 +134,7 @@ def tensor_shapes(cfg: ModelConfig, hf: dict) -> dict[str, tuple]:
     the MTP head (one full-attention block and its projection and norms) and one vision tensor."""
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in Model(cfg).state_dict().items()}
-    out = {theirs: shape for theirs, (_ours, shape) in tensor_plan(cfg, LAYOUTS["qwen3_5"], shapes, hf).items()}
+    out = {theirs: shape for theirs, (_ours, shape) in tensor_plan(cfg, layout_of(cfg), shapes, hf).items()}
     D, H, KV, hd, F = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
     out.update({"mtp.fc.weight": (D, 2 * D), "mtp.pre_fc_norm_embedding.weight": (D,),
                 "mtp.pre_fc_norm_hidden.weight": (D,), "mtp.norm.weight": (D,),
@@ -127,6 +145,14 @@ def tensor_shapes(cfg: ModelConfig, hf: dict) -> dict[str, tuple]:
                 "mtp.layers.0.self_attn.k_norm.weight": (hd,), "mtp.layers.0.mlp.gate_proj.weight": (F, D),
                 "mtp.layers.0.mlp.up_proj.weight": (F, D), "mtp.layers.0.mlp.down_proj.weight": (D, F),
                 "model.visual.patch_embed.proj.weight": (64, 3 * 2 * 16 * 16)})
+    if cfg.is_moe:  # the MTP block's MLP is the routed one, experts stored one tensor each (as transformers saves)
+        p, E, Fe, Fs = "mtp.layers.0.mlp.", cfg.n_experts, cfg.expert_ffn_dim, cfg.shared_expert_ffn_dim
+        out = {k: v for k, v in out.items() if not k.startswith(p)}
+        out.update({p + "gate.weight": (E, D), p + "shared_expert.gate_proj.weight": (Fs, D),
+                    p + "shared_expert.up_proj.weight": (Fs, D), p + "shared_expert.down_proj.weight": (D, Fs),
+                    p + "shared_expert_gate.weight": (1, D)})
+        out.update({f"{p}experts.{k}.{n}.weight": sh for k in range(E)
+                    for n, sh in (("gate_proj", (Fe, D)), ("up_proj", (Fe, D)), ("down_proj", (D, Fe)))})
     return out
 
 
@@ -161,7 +187,12 @@ def write_checkpoint(cfg: ModelConfig, d: Path, seed: int = 0) -> dict:
     with torch.device("meta"):
         n_params = Model(cfg).num_params()
     largest = max(int(torch.Size(s).numel()) for s in tensor_shapes(cfg, hf).values()) * 2
-    return {"params": n_params, "stored_bytes": total, "largest_tensor_bytes": largest, "shards": n}
+    facts = {"params": n_params, "stored_bytes": total, "largest_tensor_bytes": largest, "shards": n}
+    if cfg.is_moe:  # what one token runs, and the largest tensor the GGUF holds (one projection's experts stacked)
+        per_expert = 3 * cfg.dim * cfg.expert_ffn_dim
+        facts |= {"moe": True, "active_params": n_params - cfg.n_layers * (cfg.n_experts - cfg.n_experts_used) * per_expert,
+                  "largest_gguf_tensor_bytes": cfg.n_experts * cfg.expert_ffn_dim * cfg.dim * 2}
+    return facts
 
 
 # --- one shape -------------------------------------------------------------------------------------------------
@@ -296,11 +327,11 @@ def time_lines(res: dict) -> list[str]:
     """Wall time against parameters for the verbs that touch every weight: a least-squares line (seconds =
     fixed + per-B x B parameters) and its largest residual, which says whether time is linear in parameters."""
     import numpy as np
-    out = ["## Time against parameters", "",
+    out = ["## Time against parameters (dense shapes; a MoE's many small expert tensors are not on the same line)", "",
            "| verb | s per B parameters (slope) | fixed s (intercept) | largest residual s | shapes |", "|---|---|---|---|---|"]
     for label in ("export gguf bf16", "llama.cpp convert_hf_to_gguf.py bf16", "quantize Q4_K_M (llama.cpp)"):
         pts = [(s["checkpoint"]["params"] / 1e9, s["verbs"][label]["seconds"]) for s in res["shapes"].values()
-               if label in s["verbs"] and s["verbs"][label]["rc"] == 0]
+               if label in s["verbs"] and s["verbs"][label]["rc"] == 0 and not s["checkpoint"].get("moe")]
         if len(pts) < 3:
             continue
         x, y = np.array(pts).T
