@@ -270,14 +270,17 @@ def train(out, resume, compile_, seeds, **kw):
               "directories and ONNX exports: int8/int4 round k and v per token and head (a kv- quantized checkpoint "
               "uses its own bits unless one is given); f32/f16 keep the cache float")
 @click.option("--threads", type=THREADS, default=None, help="CPU threads (llama.cpp, ONNX Runtime)")
+@click.option("--layerwise", is_flag=True, default=None,
+              help="run a model directory one decoder block at a time over all windows (automatic when its fp32 "
+                   "weights do not fit in memory); the same numbers, one block resident")
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
-def eval_cmd(model, data, ctx, split, max_windows, reference, torchao, device, kv_type, threads, as_json):
+def eval_cmd(model, data, ctx, split, max_windows, reference, torchao, device, kv_type, threads, layerwise, as_json):
     """Perplexity of MODEL (a model directory, a .gguf run by llama.cpp, or an ONNX export run by ONNX
     Runtime): consecutive windows of ctx-1 tokens, BOS first, every token scored. With --reference: KL
     divergence and top-1 agreement too."""
     from quantgate.evaluate import evaluate_model
     _emit(evaluate_model(model, data, ctx, split, max_windows, device=device, reference=reference,
-                         torchao=torchao, kv_type=kv_type, threads=threads), as_json)
+                         torchao=torchao, kv_type=kv_type, threads=threads, layerwise=layerwise or None), as_json)
 
 
 CLI_BACKENDS = {"torch": "torch", "onnxruntime": "onnx", "llama.cpp": "gguf"}  # --backend -> registry prefix
@@ -485,7 +488,10 @@ def info(model, as_json):
 @click.option("--plots", type=click.Path(), default=None, help="write PNG plots into this folder")
 @click.option("--reference", type=MODEL, default=None,
               help="the float model MODEL was exported/quantized from: adds the gate-survival check")
-def analyze(model, data, n_windows, ctx, split, seed, compare, json_out, plots, reference):
+@click.option("--layerwise", is_flag=True, default=None,
+              help="run a model directory one decoder block at a time over all windows (automatic when its fp32 "
+                   "weights do not fit in memory); the same numbers, one block resident")
+def analyze(model, data, n_windows, ctx, split, seed, compare, json_out, plots, reference, layerwise):
     """Massive activations, attention sinks, linear-input outliers and gate sparsity, per layer.
 
     MODEL is a model directory or a .gguf (dequantized). With --reference, also checks that the gate
@@ -495,7 +501,8 @@ def analyze(model, data, n_windows, ctx, split, seed, compare, json_out, plots, 
 
     from quantgate.analyze import run_analyze
     from quantgate.progress import console
-    result = run_analyze(model, data, ctx, n_windows, split, seed, compare, json_out, plots, reference)
+    result = run_analyze(model, data, ctx, n_windows, split, seed, compare, json_out, plots, reference,
+                         layerwise=layerwise or None)
     out = Console()
     for name, rep in result["reports"].items():
         t = Table(title=f"{name} ({rep['gate']}, {rep['windows']} windows x {rep['ctx']}; "

@@ -12,26 +12,38 @@ import numpy as np
 
 from .calib_data import check_ctx, data_paths, default_split, load_corpus, sample_windows, tokenize_corpus
 from .errors import QuantgateError
-from .formats import load_checkpoint
+from .formats import artifact_kind, load_checkpoint
+from .formats.hf import open_hf
+from .layerwise import LayerwiseModel, needs_layerwise
 from .fsio import atomic_file, check_output, claim_folder, write_json
 from .gate_survival import check_gate_survival
-from .outliers import analyze_model
+from .outliers import analyze_layerwise, analyze_model
 
 
 def analyze(model_path: str, data: str = "embedded", ctx: int = 256, n_windows: int = 32, split: str = "auto",
-            seed: int = 0, tokenizer_from: str | None = None) -> dict:
-    loaded = load_checkpoint(model_path)
-    tok = loaded.tokenizer
+            seed: int = 0, tokenizer_from: str | None = None, layerwise: bool | None = None) -> dict:
+    """The outlier report of one model. A model directory whose fp32 weights do not fit in memory is run block by
+    block (quantgate.layerwise; `layerwise=True` forces it, False forbids it): the same report."""
+    lw = None
+    if artifact_kind(model_path) == "hf" and layerwise is not False:
+        ckpt = open_hf(model_path)
+        if layerwise or needs_layerwise(ckpt.cfg):
+            lw = LayerwiseModel(ckpt)
+    if lw is not None:
+        cfg, tok, layout = lw.cfg, lw.ckpt.tokenizer, lw.ckpt.layout.name
+    else:
+        loaded = load_checkpoint(model_path)
+        cfg, tok, layout = loaded.model.cfg, loaded.tokenizer, loaded.layout
     if tok is None:
         raise QuantgateError(f"{model_path}: no tokenizer.json, cannot tokenize the analysis text")
-    check_ctx(ctx, loaded.model.cfg.max_seq_len, model_path)
+    check_ctx(ctx, cfg.max_seq_len, model_path)
     split = default_split(data) if split == "auto" else split
     corpus = load_corpus(data).split(split)
     if not corpus.documents:
         raise QuantgateError(f"{data}: the {split} split is empty")
     windows = sample_windows(tokenize_corpus(corpus, tok), n_windows, ctx, seed)
-    rep = analyze_model(loaded.model, windows)
-    rep.update(model=str(model_path), gate=loaded.model.cfg.gate, layout=loaded.layout, data=str(data),
+    rep = analyze_layerwise(lw, windows) if lw is not None else analyze_model(loaded.model, windows)
+    rep.update(model=str(model_path), gate=cfg.gate, layout=layout, data=str(data), layerwise=lw is not None,
                split=split, seed=seed, corpus_fingerprint=corpus.fingerprint,
                windows_id=hashlib.sha256(windows.tobytes()).hexdigest()[:16])  # two twins' windows pair when equal
     return rep
@@ -96,7 +108,7 @@ def plot_reports(reports: dict[str, dict], out_dir: str | Path) -> list[Path]:
 
 def run_analyze(model: str, data: str, ctx: int, n_windows: int, split: str, seed: int,
                 compare: str | None = None, json_out: str | None = None, plots: str | None = None,
-                reference: str | None = None) -> dict:
+                reference: str | None = None, layerwise: bool | None = None) -> dict:
     """Outlier reports (MODEL may be a .gguf: it is dequantized); with `reference`, the gate-survival check
     of MODEL's gate rows against the reference's (quantgate.gate_survival)."""
     inputs = (model, compare, reference, *data_paths(data))
@@ -104,12 +116,12 @@ def run_analyze(model: str, data: str, ctx: int, n_windows: int, split: str, see
         check_output(json_out, "analysis", inputs, flag="--json")
     if plots:
         check_output(plots, "plots", inputs, flag="--plots")
-    reports = {Path(model).name or model: analyze(model, data, ctx, n_windows, split, seed)}
+    reports = {Path(model).name or model: analyze(model, data, ctx, n_windows, split, seed, layerwise=layerwise)}
     if compare:
         name = Path(compare).name or compare
         if name in reports:
             name = f"{name} (compare)"
-        reports[name] = analyze(compare, data, ctx, n_windows, split, seed)
+        reports[name] = analyze(compare, data, ctx, n_windows, split, seed, layerwise=layerwise)
     result = {"reports": reports}
     if reference:
         result["gate_survival"] = check_gate_survival(model, reference, data, min(n_windows, 8), ctx, seed)

@@ -20,6 +20,8 @@ from .calib_data import check_ctx, default_split, eval_windows, load_corpus, tok
 from .errors import QuantgateError
 from .formats import artifact_kind, load_checkpoint
 from .formats.gguf import check_finite_weights, inspect_gguf, open_reader, tokenizer_from_gguf
+from .formats.hf import open_hf
+from .layerwise import LayerwiseRunner, iter_logits, needs_layerwise
 from .formats.onnx import check_finite_initializers, onnx_context
 from .formats.onnx_io import onnx_bytes, read_meta, resolve_onnx
 from .fsio import atomic_path
@@ -52,9 +54,8 @@ class PerplexityResult:
 
 def perplexity(runner: Runner, windows: np.ndarray, batch: int = 4) -> PerplexityResult:
     total, count = 0.0, 0
-    for i in track(range(0, len(windows), batch), f"eval {runner.name}", total=math.ceil(len(windows) / batch)):
+    for i, lg in track(iter_logits(runner, windows, batch), f"eval {runner.name}", total=math.ceil(len(windows) / batch)):
         w = windows[i:i + batch]
-        lg = runner.logits(w)
         check_finite(lg, runner.name)
         nll = token_nll(lg, w)
         total += float(nll.sum())
@@ -89,11 +90,10 @@ def reference_logits(ref_path: str, windows: np.ndarray, data_key: str, batch: i
             cached = np.load(path, mmap_mode="r")
             if cached.shape[:2] == windows.shape:
                 return cached
-    runner = TorchRunner(load_checkpoint(ref_path).model, name="reference")
+    runner = torch_runner(ref_path, name="reference")
     with atomic_path(path) as tmp:
         out = None
-        for i in track(range(0, len(windows), batch), "reference logits", total=-(-len(windows) // batch)):
-            lg = runner.logits(windows[i:i + batch])
+        for i, lg in track(iter_logits(runner, windows, batch), "reference logits", total=-(-len(windows) // batch)):
             check_finite(lg, f"the reference {ref_path}")
             if out is None:
                 out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32,
@@ -104,6 +104,16 @@ def reference_logits(ref_path: str, windows: np.ndarray, data_key: str, batch: i
         out.flush()
         del out
     return np.load(path, mmap_mode="r")
+
+
+def torch_runner(path: str, name: str = "torch", layerwise: bool | None = None):
+    """The fp32 PyTorch runner of any artifact; a model directory whose fp32 weights do not fit in memory (or any,
+    with `layerwise=True`) runs block by block (quantgate.layerwise), never whole."""
+    if artifact_kind(path) == "hf" and layerwise is not False:
+        ckpt = open_hf(path)
+        if layerwise or needs_layerwise(ckpt.cfg):
+            return LayerwiseRunner(ckpt, name=f"{name} (layer by layer)")
+    return TorchRunner(load_checkpoint(path).model, name=name)
 
 
 def check_finite(logits: np.ndarray, who: str) -> None:
@@ -123,9 +133,10 @@ def tokenizers_match(a, b, sample: str) -> bool:
 
 
 def open_model(model_path: str, device: str = "cpu", torchao: str | None = None, kv_type: str = "f32",
-               ctx: int = 256, threads: int | None = None):
+               ctx: int = 256, threads: int | None = None, layerwise: bool | None = None):
     """(runner, tokenizer, backend name, extra) for a model directory (PyTorch), a .gguf file (llama.cpp) or an
-    ONNX export (ONNX Runtime). Windows of `ctx` tokens must fit the model's context; weights must be finite."""
+    ONNX export (ONNX Runtime). Windows of `ctx` tokens must fit the model's context; weights must be finite. A
+    float model directory too large for memory (or any, with `layerwise=True`) runs block by block."""
     kind = artifact_kind(model_path)
     if kind == "gguf":
         if torchao:
@@ -151,6 +162,15 @@ def open_model(model_path: str, device: str = "cpu", torchao: str | None = None,
         return runner, tok, f"onnxruntime:{scheme}", {"onnx_bytes": onnx_bytes(model_dir),
                                                       **_kv_record(kv_type)}
     kv_bits = kv_bits_for(kv_type, "PyTorch")
+    if layerwise is not False and not torchao and not kv_bits:
+        ckpt = open_hf(model_path)
+        if layerwise or (needs_layerwise(ckpt.cfg) and "quant_scheme" not in ckpt.cfg.extra):
+            if ckpt.tokenizer is None:
+                raise QuantgateError(f"{model_path}: no tokenizer.json, cannot tokenize evaluation text")
+            if device != "cpu":
+                raise QuantgateError(f"{model_path}: too large for memory, it is run layer by layer, on the CPU only")
+            check_ctx(ctx, ckpt.cfg.max_seq_len, model_path)
+            return LayerwiseRunner(ckpt), ckpt.tokenizer, "torch (layer by layer)", {}
     loaded = load_checkpoint(model_path)
     if loaded.tokenizer is None:
         raise QuantgateError(f"{model_path}: no tokenizer.json, cannot tokenize evaluation text")
@@ -170,7 +190,8 @@ def _kv_record(kv_type: str) -> dict:
 
 def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
                    max_windows: int | None = None, device: str = "cpu", reference: str | None = None,
-                   torchao: str | None = None, kv_type: str = "f32", threads: int | None = None) -> dict:
+                   torchao: str | None = None, kv_type: str = "f32", threads: int | None = None,
+                   layerwise: bool | None = None) -> dict:
     """Perplexity of a model directory, GGUF file or ONNX export on a text source; with `reference`, also KL
     divergence and top-1 agreement against the reference's fp32 PyTorch logits on the same windows, and the
     perplexity delta."""
@@ -178,7 +199,7 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
     corpus = load_corpus(data).split(split)
     if not corpus.documents:
         raise QuantgateError(f"{data}: the {split} split is empty")
-    runner, tok, backend, extra = open_model(model_path, device, torchao, kv_type, ctx, threads)
+    runner, tok, backend, extra = open_model(model_path, device, torchao, kv_type, ctx, threads, layerwise)
     try:
         stream = tokenize_corpus(corpus, tok)
         windows = eval_windows(stream.ids, ctx, tok.bos_id, max_windows)
@@ -192,10 +213,10 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
             out.update(kv_cache=extra["kv_cache"])
         if reference is None:
             return {**out, **perplexity(runner, windows).to_dict()}
-        ref = load_checkpoint(reference, with_tokenizer=True)
-        check_ctx(ctx, ref.model.cfg.max_seq_len, reference)
+        ref_cfg, ref_tok = reference_header(reference)
+        check_ctx(ctx, ref_cfg.max_seq_len, reference)
         sample = corpus.documents[0].text[:20000]
-        if ref.tokenizer is not None and not tokenizers_match(ref.tokenizer, tok, sample):
+        if ref_tok is not None and not tokenizers_match(ref_tok, tok, sample):
             raise QuantgateError(f"{reference} and {model_path} use different tokenizers: their logits do not compare")
         ref_logits = reference_logits(reference, windows, f"{corpus.fingerprint}|{split}|{ctx}")
         result = {**out, "reference": str(reference), **compare_to_reference(runner, ref_logits, windows)}
@@ -205,20 +226,29 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
     loaded = extra.get("loaded")
     scheme = loaded.model.cfg.extra.get("quant_scheme") if loaded else None
     if scheme and not torchao and scheme.get("smooth_alpha") is None:
-        result["layer_sqnr_db"] = layer_sqnr(ref.model, loaded.model, windows[:SQNR_WINDOWS])
+        result["layer_sqnr_db"] = layer_sqnr(load_checkpoint(reference).model, loaded.model, windows[:SQNR_WINDOWS])
     elif scheme:  # SmoothQuant rescaled the layer inputs: the float reference's inputs no longer match
         result["layer_sqnr_db"] = None
     return result
+
+
+def reference_header(reference: str):
+    """(config, tokenizer) of the reference: from the headers of a model directory (nothing loaded), else loaded."""
+    if artifact_kind(reference) == "hf":
+        ckpt = open_hf(reference)
+        return ckpt.cfg, ckpt.tokenizer
+    ref = load_checkpoint(reference, with_tokenizer=True)
+    return ref.model.cfg, ref.tokenizer
 
 
 def compare_to_reference(runner: Runner, ref_logits: np.ndarray, windows: np.ndarray, batch: int = 4) -> dict:
     """Perplexity of `runner` and of the reference logits on the same windows, with per-position KL
     divergence KL(P_ref || P_runner) (mean, p99, max) and top-1 agreement."""
     nll, ref_nll, kld, top1 = [], [], [], []
-    for i in track(range(0, len(windows), batch), f"eval {runner.name} vs reference",
-                   total=-(-len(windows) // batch)):
+    for i, lg in track(iter_logits(runner, windows, batch), f"eval {runner.name} vs reference",
+                       total=-(-len(windows) // batch)):
         w = windows[i:i + batch]
-        lg, rl = runner.logits(w), np.asarray(ref_logits[i:i + batch])
+        rl = np.asarray(ref_logits[i:i + batch])
         check_finite(lg, runner.name)
         nll.append(token_nll(lg, w).reshape(-1))
         ref_nll.append(token_nll(rl, w).reshape(-1))

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .capture import capture
+from .layerwise import capture_layerwise
 from .model import Model, route
 
 MEDIAN_SAMPLE = 1 << 20  # |h| values kept per layer for the median (exact below this count)
@@ -102,7 +103,9 @@ class OutlierCollector:
         self.model, self.top_k = model, top_k
         self.layers = [LayerAccumulator() for _ in model.layers]
         self.linear: dict[str, Moments] = {}
-        self.gen = torch.Generator().manual_seed(seed)
+        # one sampler per layer: the |h| sample a layer keeps for its median does not depend on the order in which
+        # layers and batches run (the in-memory model runs batch-major, the layer-by-layer one layer-major)
+        self.gens = [torch.Generator().manual_seed(seed * 100003 + i) for i in range(len(model.layers))]
         self._windows_seen = 0
         self._ctx = 0
 
@@ -198,7 +201,7 @@ class OutlierCollector:
         cmax = a.amax(dim=(0, 1))
         acc.channel_max = cmax if acc.channel_max is None else torch.maximum(acc.channel_max, cmax)
         if acc.n_sampled < MEDIAN_SAMPLE:
-            s = _sample(a, min(budget * B, MEDIAN_SAMPLE - acc.n_sampled), self.gen)
+            s = _sample(a, min(budget * B, MEDIAN_SAMPLE - acc.n_sampled), self.gens[i])
             acc.samples.append(s)
             acc.n_sampled += s.numel()
         if probs is None:  # a Gated DeltaNet layer: no attention probabilities
@@ -259,4 +262,27 @@ def analyze_model(model: Model, windows: np.ndarray, batch: int = 4, top_k: int 
     col = OutlierCollector(model, top_k=top_k)
     capture(model, windows, pre=col.pre_hooks(), post=col.post_hooks(), batch=batch, label="analyze", probe=True,
             on_layer=col.layer)
+    return col.report()
+
+
+def analyze_layerwise(lw, windows: np.ndarray, batch: int = 4, top_k: int = 8) -> dict:
+    """analyze_model for a checkpoint run block by block (quantgate.layerwise.LayerwiseModel): the same hooks on its
+    modules, the same report; the output head's input is measured from the final hidden states."""
+    col = OutlierCollector(lw.model, top_k=top_k)
+
+    def on_layer(i: int, first: int, h: torch.Tensor, probs) -> None:
+        col._windows_seen = first  # where this batch's windows start (the in-memory path counts them as it goes)
+        col.layer(i, h, probs)
+
+    hooks = [(m, f) for m, f in col.post_hooks() if m is not lw.model]
+    pre = [(m, f) for m, f in col.pre_hooks() if m is not lw.model.lm_head]
+    hs: list = []
+    with torch.inference_mode():
+        capture_layerwise(lw, windows, pre=pre, post=hooks, batch=batch, probe=True, on_layer=on_layer,
+                          label="analyze (layer by layer)", keep=hs)
+        lw._load(lw.model.norm, "norm.")
+        for h in hs:
+            col.linear.setdefault("lm_head", Moments()).add(lw.model.norm(h))
+        lw._drop(lw.model.norm)
+    col._windows_seen, col._ctx = len(windows), windows.shape[1]
     return col.report()

@@ -31,7 +31,24 @@ def make_progress(*extra_columns) -> Progress:
                     console=console, disable=not enabled(), transient=False)
 
 
+_ACTIVE: list[Progress] = []  # the display a bar inside another bar's loop joins (rich allows one live display)
+
+
 def track(iterable, description: str, total: int | None = None, memory: bool = False):
-    """rich's track on stderr; `memory` adds the resident-memory column (streaming exports, layer-wise runs)."""
+    """rich's track on stderr; `memory` adds the resident-memory column (streaming exports, layer-wise runs). A bar
+    started inside another's loop (the blocks of a layer-by-layer pass within an eval's batches) is a second line of
+    the same display, removed when done."""
+    if _ACTIVE:
+        p = _ACTIVE[-1]
+        task = p.add_task(description, total=total)
+        try:
+            yield from p.track(iterable, task_id=task, total=total)
+        finally:
+            p.remove_task(task)
+        return
     with make_progress(*((MemoryColumn(),) if memory else ())) as p:
-        yield from p.track(iterable, description=description, total=total)
+        _ACTIVE.append(p)
+        try:
+            yield from p.track(iterable, description=description, total=total)
+        finally:
+            _ACTIVE.pop()
