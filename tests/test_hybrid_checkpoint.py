@@ -113,7 +113,7 @@ def test_rope_parameters_theta_is_read_not_the_default(tmp_path):
 
 @pytest.mark.parametrize("edit,match", [
     (lambda hf, sd: hf.update(layer_types=hf["layer_types"][:3]), "layer_types must list"),
-    (lambda hf, sd: hf.update(model_type="qwen3_5_moe_text"), "mixture-of-experts"),
+    (lambda hf, sd: hf.update(model_type="qwen3_5_moe_text"), "mlp.gate.weight is missing"),
     (lambda hf, sd: hf.update(model_type="qwen3_5_vision"), "not supported"),
     (lambda hf, sd: sd.update({"model.layers.0.linear_attn.A_log": torch.zeros(3)}), "linear_attn.A_log has shape"),
     (lambda hf, sd: sd.pop("model.layers.1.linear_attn.conv1d.weight"), "conv1d.weight is missing"),
@@ -150,6 +150,7 @@ def test_torch_quantized_hybrids_save_and_reload_with_their_scheme(tmp_path, sch
     assert any(".linear_attn.in_proj_qkv" in n for n in bits)
     if scheme.startswith("w4"):
         assert bits["layers.3.self_attn.g_proj"] == 8 and bits["layers.0.linear_attn.in_proj_qkv"] == 4
+        assert bits["layers.0.linear_attn.in_proj_z"] == 8  # the GDN's gate is in the scope too, as --list says
     # the same calibration in memory gives the same model: the reload lost nothing (ranges, bits, layout)
     from quantgate.calib_data import calibration_windows
     from quantgate.quant import get

@@ -111,9 +111,10 @@ def test_info_reads_headers_only(tmp_path, monkeypatch):
 
 # --- the multi-token-prediction head -------------------------------------------------------------------------
 
-def mtp_head(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
+def mtp_head(cfg, seed: int = 0, fused_experts: bool = False) -> dict[str, torch.Tensor]:
     """A random MTP head of Qwen3.5's shape (`mtp.*`): its projection of [embedding | hidden], three norms and one
-    full-attention decoder layer (q_proj with per-head gate rows), norms stored zero-centred."""
+    full-attention decoder layer (q_proj with per-head gate rows), norms stored zero-centred. For a MoE the layer's
+    MLP is the routed one: router, shared expert and its gate, and experts per expert or fused 3-D."""
     g = torch.Generator().manual_seed(seed)
     D, H, KV, hd, F = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
     shapes = {"mtp.fc.weight": (D, 2 * D), "mtp.pre_fc_norm_embedding.weight": (D,),
@@ -124,14 +125,25 @@ def mtp_head(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
               "mtp.layers.0.self_attn.q_norm.weight": (hd,), "mtp.layers.0.self_attn.k_norm.weight": (hd,),
               "mtp.layers.0.mlp.gate_proj.weight": (F, D), "mtp.layers.0.mlp.up_proj.weight": (F, D),
               "mtp.layers.0.mlp.down_proj.weight": (D, F)}
+    if cfg.is_moe:
+        E, Fe, Fs, p = cfg.n_experts, cfg.expert_ffn_dim, cfg.shared_expert_ffn_dim, "mtp.layers.0.mlp."
+        shapes = {k: v for k, v in shapes.items() if not k.startswith(p)}
+        shapes |= {p + "gate.weight": (E, D), p + "shared_expert.gate_proj.weight": (Fs, D),
+                   p + "shared_expert.up_proj.weight": (Fs, D), p + "shared_expert.down_proj.weight": (D, Fs),
+                   p + "shared_expert_gate.weight": (1, D)}
+        if fused_experts:
+            shapes |= {p + "experts.gate_up_proj": (E, 2 * Fe, D), p + "experts.down_proj": (E, D, Fe)}
+        else:
+            shapes |= {f"{p}experts.{k}.{n}.weight": sh for k in range(E)
+                       for n, sh in (("gate_proj", (Fe, D)), ("up_proj", (Fe, D)), ("down_proj", (D, Fe)))}
     return {k: 0.1 * torch.randn(s, generator=g) for k, s in shapes.items()}
 
 
-def with_mtp(src, dst, cfg):
+def with_mtp(src, dst, cfg, fused_experts: bool = False):
     """src's checkpoint with an MTP head added, and `mtp_num_hidden_layers` in its config as released files have."""
     dst.mkdir()
     sd = load_file(src / "model.safetensors")
-    sd.update(mtp_head(cfg))
+    sd.update(mtp_head(cfg, fused_experts=fused_experts))
     save_file(sd, str(dst / "model.safetensors"))
     hf = json.loads((src / "config.json").read_text())
     hf["mtp_num_hidden_layers"] = 1

@@ -261,8 +261,8 @@ def test_the_registry_and_the_cli_help_import_no_torch():
 
 def test_each_layout_refuses_the_models_it_cannot_hold():
     """Gate-free models in qwen3 (and qwen3_5, as zero gate rows), gated ones in official/qwen3_next/qwen3_5;
-    partial rotary only in qwen3_next/qwen3_5; a model without QK-norm only in official; hybrids only in qwen3_5:
-    the rows' flags, checked on every combination."""
+    partial rotary only in qwen3_next/qwen3_5; a model without QK-norm only in official; hybrids only in qwen3_5
+    (and qwen3_5_moe); mixture-of-experts models only in qwen3_5_moe: the rows' flags, checked on every combination."""
     import dataclasses
 
     from quantgate.layouts import LAYOUTS
@@ -270,11 +270,16 @@ def test_each_layout_refuses_the_models_it_cannot_hold():
     for gate in ("none", "headwise", "elementwise"):
         for rotary in (1.0, 0.5):
             for qk in (True, False):
-                for is_hybrid in (False, True):
+                for is_hybrid, moe in ((False, False), (True, False), (False, True), (True, True)):
                     cfg = preset("tiny", gate=gate)
                     cfg = dataclasses.replace(hybrid(cfg) if is_hybrid else cfg, partial_rotary=rotary, qk_norm=qk)
+                    if moe:  # mixture-of-experts models in qwen3_5_moe only, and only those there
+                        cfg = dataclasses.replace(cfg, n_experts=4, n_experts_used=2, expert_ffn_dim=32,
+                                                  shared_expert_ffn_dim=32)
                     for name, lay in LAYOUTS.items():
-                        gate_ok = name == "qwen3_5" or (gate == "none") == (name == "qwen3")
-                        fits = (gate_ok and (rotary == 1.0 or name in ("qwen3_next", "qwen3_5"))
-                                and (qk or name == "official") and (not is_hybrid or name == "qwen3_5"))
-                        assert (lay.cannot_hold(cfg) is None) == fits, (name, gate, rotary, qk, is_hybrid)
+                        q35 = name in ("qwen3_5", "qwen3_5_moe")
+                        gate_ok = q35 or (gate == "none") == (name == "qwen3")
+                        fits = (gate_ok and (rotary == 1.0 or name in ("qwen3_next", "qwen3_5", "qwen3_5_moe"))
+                                and (qk or name == "official") and (not is_hybrid or q35)
+                                and moe == (name == "qwen3_5_moe"))
+                        assert (lay.cannot_hold(cfg) is None) == fits, (name, gate, rotary, qk, is_hybrid, moe)

@@ -9,8 +9,8 @@ in one process (one start-up), each writing an .npz of float64 logits:
       AutoModelForCausalLM.from_pretrained(DIR) on IDS: the full forward, and prefill(10) + one token at a time on
       transformers' own cache.
   ["make", SPEC.json, DIR, IDS.npy, OUT.npz]
-      a random stock model from SPEC (a Qwen3_5TextConfig, plus "multimodal": a tiny vision tower and the
-      ConditionalGeneration class), weights drawn N(0, 0.1) (1-D ones 0.3 N(0, 1): norms stored zero-centred),
+      a random stock model from SPEC (a Qwen3_5TextConfig, or with "moe": true a Qwen3_5MoeTextConfig; plus
+      "multimodal": a tiny vision tower and the ConditionalGeneration class), weights drawn N(0, 0.1) (1-D ones 0.3 N(0, 1): norms stored zero-centred),
       saved with save_pretrained into DIR, and its logits on IDS.
 """
 from __future__ import annotations
@@ -44,16 +44,17 @@ def make(spec_file: str, folder: str, ids_file: str, out: str) -> None:
     import transformers
     spec = json.loads(open(spec_file).read())
     multimodal = spec.pop("multimodal", False)
-    text = transformers.Qwen3_5TextConfig(**spec)
+    kind = "Qwen3_5Moe" if spec.pop("moe", False) else "Qwen3_5"
+    text = getattr(transformers, f"{kind}TextConfig")(**spec)
     torch.manual_seed(0)
     if multimodal:
         vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "patch_size": 2,
                   "temporal_patch_size": 1, "spatial_merge_size": 1, "out_hidden_size": spec["hidden_size"]}
-        cfg = transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision,
-                                         tie_word_embeddings=spec.get("tie_word_embeddings", False))
-        model = transformers.Qwen3_5ForConditionalGeneration(cfg)
+        cfg = getattr(transformers, f"{kind}Config")(text_config=text.to_dict(), vision_config=vision,
+                                                    tie_word_embeddings=spec.get("tie_word_embeddings", False))
+        model = getattr(transformers, f"{kind}ForConditionalGeneration")(cfg)
     else:
-        model = transformers.Qwen3_5ForCausalLM(text)
+        model = getattr(transformers, f"{kind}ForCausalLM")(text)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(0.3 * torch.randn(p.shape) if p.dim() == 1 else 0.1 * torch.randn(p.shape))
