@@ -23,6 +23,7 @@ import torch
 from .capture import Hook, hooked
 from .errors import QuantgateError
 from .formats.hf import HFCheckpoint, available_memory
+from .memory import release_freed
 from .model import Model, rope_cache
 from .progress import track
 
@@ -48,6 +49,7 @@ class LayerwiseModel:
     @staticmethod
     def _drop(module: torch.nn.Module) -> None:
         module.to("meta")  # its tensors are freed; the module objects (and any hooks on them) stay
+        release_freed()  # and the memory goes back to the OS before the next block is read
 
     @torch.inference_mode()
     def hidden(self, windows: np.ndarray, batch: int = 4, probe: bool = False,
@@ -61,6 +63,7 @@ class LayerwiseModel:
         emb = self.weights["embed_tokens.weight"]  # stored dtype: one row per token is all a lookup reads
         hs = [emb[torch.as_tensor(windows[i:i + batch])].float() for i in range(0, len(windows), batch)]
         del emb
+        release_freed()
         for i in track(range(cfg.n_layers), label, total=cfg.n_layers, memory=True):
             block = self.model.layers[i]
             self._load(block, f"layers.{i}.")
