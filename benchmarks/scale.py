@@ -80,7 +80,7 @@ SHAPES = {
     "qwen35-2b": lambda: qwen35(2048, 24, 8, 2, 16, 6144, True),
     "qwen35-4b": lambda: qwen35(2560, 32, 16, 4, 32, 9216, True),
     "qwen35-9b": lambda: qwen35(4096, 32, 16, 4, 32, 12288, False),
-    "qwen35-35b-a3b-8l": lambda: qwen35_moe(8),  # 8 of the 40 layers: 8.7 B parameters with the MTP head
+    "qwen35-35b-a3b-8l": lambda: qwen35_moe(8),  # 8 of the 40 layers: 7.7 B parameters (text model), 1.5 B active
     "smoke": lambda: replace(hybrid(ModelConfig(vocab_size=4096, dim=256, n_layers=4, n_heads=2, n_kv_heads=1,
                                                 head_dim=128, ffn_dim=512, max_seq_len=4096, gate="elementwise")),
                              linear_key_heads=2, linear_value_heads=4, linear_key_dim=64, linear_value_dim=64),
