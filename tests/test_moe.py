@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -19,19 +18,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import assert_refused, randomize_, rel_err, run_cli, transformers5_python
+from conftest import assert_refused, randomize_, rel_err, run_cli
 from quantgate.errors import QuantgateError
 from quantgate.formats import load_checkpoint, save_checkpoint
 from quantgate.formats.hf import open_hf
 from quantgate.model import SparseMoE, build_model, hybrid, make_twins, preset
 from quantgate.tokenizer import byte_tokenizer
 
-TF5 = os.environ.get("QUANTGATE_TF5_PYTHON") or transformers5_python()
-needs_tf5 = pytest.mark.skipif(not TF5, reason="needs transformers >= 5.2 (pip install '.[test]') or "
-                                                "QUANTGATE_TF5_PYTHON naming an interpreter that has it")
-SCRIPT = Path(__file__).with_name("tf5_reference.py")
-IDS = np.random.default_rng(0).integers(3, 300, size=(2, 24)).astype(np.int64)
-IDS[:, 0] = 0
+from test_parity_qwen35 import IDS, SCRIPT, TF5, assert_stock_agrees, pytestmark as needs_tf5  # the same reference run, ids and skip
+
 E, K, FE, FS = 8, 2, 32, 64
 SPEC = dict(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -102,12 +97,7 @@ def test_stock_qwen3_5_moe_checkpoints_load_with_their_logits(ref, multimodal):
 def test_our_moe_twins_open_in_stock_transformers(ref, role):
     """Written per expert, as transformers 5 itself saves; a baseline through zero gate rows and 2 * o_proj."""
     d, ours = ref
-    logits = np.load(d / f"ours-{role}.npz")
-    assert str(logits["cls"]) == "Qwen3_5MoeForCausalLM"
-    with torch.no_grad():
-        mine = ours[role](torch.as_tensor(IDS)).logits
-    assert rel_err(mine, logits["full"]) <= 1e-5
-    assert rel_err(mine, logits["cached"]) <= 1e-5
+    assert_stock_agrees(d / f"ours-{role}.npz", ours[role], "Qwen3_5MoeForCausalLM")
     names = load_file(d / f"ours-{role}" / "model.safetensors").keys()
     assert "model.layers.0.mlp.experts.7.down_proj.weight" in names and "intermediate_size" not in \
         json.loads((d / f"ours-{role}" / "config.json").read_text())

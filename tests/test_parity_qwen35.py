@@ -113,10 +113,15 @@ def test_our_hybrid_twins_open_in_stock_transformers(ref, shape, role):
     """The baseline opens through zero gate rows and 2 * o_proj; stock's cached decode agrees too."""
     d, ours = ref
     key = f"ours-{shape}-{role}"
-    logits = np.load(d / f"{key}.npz")
-    assert str(logits["cls"]) == "Qwen3_5ForCausalLM"
+    assert_stock_agrees(d / f"{key}.npz", ours[key], "Qwen3_5ForCausalLM")
+
+
+def assert_stock_agrees(npz, model, cls: str) -> None:
+    """transformers' logits of our saved model (class `cls`), full and on its own cache, are ours within 1e-5."""
+    logits = np.load(npz)
+    assert str(logits["cls"]) == cls
     with torch.no_grad():
-        mine = ours[key](torch.as_tensor(IDS)).logits
+        mine = model(torch.as_tensor(IDS)).logits
     assert rel_err(mine, logits["full"]) <= 1e-5
     assert rel_err(mine, logits["cached"]) <= 1e-5
 
