@@ -26,7 +26,7 @@ def analyze(model_path: str, data: str = "embedded", ctx: int = 256, n_windows: 
     block (quantgate.layerwise; `layerwise=True` forces it, False forbids it): the same report."""
     lw = None
     if artifact_kind(model_path) == "hf" and layerwise is not False:
-        ckpt = open_hf(model_path)
+        ckpt = open_hf(model_path, must_fit_block_by_block=True)
         if layerwise or needs_layerwise(ckpt.cfg):
             lw = LayerwiseModel(ckpt)
     if lw is not None:

@@ -110,7 +110,7 @@ def torch_runner(path: str, name: str = "torch", layerwise: bool | None = None):
     """The fp32 PyTorch runner of any artifact; a model directory whose fp32 weights do not fit in memory (or any,
     with `layerwise=True`) runs block by block (quantgate.layerwise), never whole."""
     if artifact_kind(path) == "hf" and layerwise is not False:
-        ckpt = open_hf(path)
+        ckpt = open_hf(path, must_fit_block_by_block=True)
         if layerwise or needs_layerwise(ckpt.cfg):
             return LayerwiseRunner(ckpt, name=f"{name} (layer by layer)")
     return TorchRunner(load_checkpoint(path).model, name=name)
@@ -163,7 +163,7 @@ def open_model(model_path: str, device: str = "cpu", torchao: str | None = None,
                                                       **_kv_record(kv_type)}
     kv_bits = kv_bits_for(kv_type, "PyTorch")
     if layerwise is not False and not torchao and not kv_bits:
-        ckpt = open_hf(model_path)
+        ckpt = open_hf(model_path, must_fit_block_by_block=True)
         if layerwise or (needs_layerwise(ckpt.cfg) and "quant_scheme" not in ckpt.cfg.extra):
             if ckpt.tokenizer is None:
                 raise QuantgateError(f"{model_path}: no tokenizer.json, cannot tokenize evaluation text")

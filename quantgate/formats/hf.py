@@ -159,6 +159,21 @@ def check_fits_in_memory(cfg: ModelConfig, where: str) -> None:
                              f"fp32), more than the {avail / 2**30:.1f} GiB of memory available")
 
 
+def check_fits_block_by_block(cfg: ModelConfig, where: str) -> None:
+    """Refuse, before anything but config.json is read, a model that would not fit even run one decoder block at a
+    time (quantgate.layerwise): its largest block in fp32 plus its embedding table (counted in fp32, whatever it is
+    stored as) beyond the memory available."""
+    with torch.device("meta"):
+        model = Model(cfg)
+        block = max(sum(p.numel() for p in blk.parameters()) for blk in model.layers)
+    need = 4 * (block + cfg.vocab_size * cfg.dim)
+    avail = available_memory()
+    if avail is not None and need > avail:
+        raise QuantgateError(f"{where}: even one decoder block at a time it needs {need / 2**30:.1f} GiB (its largest "
+                             f"block and its embedding table in fp32), more than the {avail / 2**30:.1f} GiB of "
+                             f"memory available")
+
+
 def available_memory() -> int | None:
     """Bytes of memory available to a new allocation (Linux MemAvailable), or None where unknown."""
     try:
@@ -479,11 +494,13 @@ class HFCheckpoint:
                    for t in self.plan)
 
 
-def open_hf(path: str | Path, with_tokenizer: bool = True, must_fit_in_memory: bool = False) -> HFCheckpoint:
+def open_hf(path: str | Path, with_tokenizer: bool = True, must_fit_in_memory: bool = False,
+            must_fit_block_by_block: bool = False) -> HFCheckpoint:
     """Open a model directory (any layout of LAYOUTS; a Hugging Face repo id is resolved to its cached, else
     downloaded, snapshot first) and check it from config.json and the safetensors headers: nothing is allocated
     but the shapes, so this works for a model of any size. `must_fit_in_memory`: refuse, right after config.json
-    and before anything else is read, a model whose fp32 weights this machine cannot hold (`load_hf`)."""
+    and before anything else is read, a model whose fp32 weights this machine cannot hold (`load_hf`);
+    `must_fit_block_by_block`: one that could not run even one block at a time."""
     path = resolve(path)
     if not path.exists():
         raise QuantgateError(f"model directory {path} does not exist")
@@ -496,6 +513,8 @@ def open_hf(path: str | Path, with_tokenizer: bool = True, must_fit_in_memory: b
     cfg, layout = config_from_hf(hf, path)
     if must_fit_in_memory:
         check_fits_in_memory(cfg, str(cfg_file))
+    if must_fit_block_by_block:  # the PyTorch verbs, which run a model too large for memory layer by layer
+        check_fits_block_by_block(cfg, str(cfg_file))
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in Model(cfg).state_dict().items()}
     src = TensorSource(path)
