@@ -162,6 +162,9 @@ def open_model(model_path: str, device: str = "cpu", torchao: str | None = None,
         return runner, tok, f"onnxruntime:{scheme}", {"onnx_bytes": onnx_bytes(model_dir),
                                                       **_kv_record(kv_type)}
     kv_bits = kv_bits_for(kv_type, "PyTorch")
+    if layerwise and (torchao or kv_bits):
+        raise QuantgateError("--layerwise runs the float model block by block; it does not combine with --torchao or "
+                             "a rounded --kv-type")
     if layerwise is not False and not torchao and not kv_bits:
         ckpt = open_hf(model_path, must_fit_block_by_block=True)
         if layerwise or (needs_layerwise(ckpt.cfg) and "quant_scheme" not in ckpt.cfg.extra):

@@ -22,7 +22,7 @@ import torch
 
 from .capture import Hook, hooked
 from .errors import QuantgateError
-from .formats.hf import HFCheckpoint, available_memory
+from .formats.hf import HFCheckpoint, fp32_load
 from .memory import release_freed
 from .model import Model, rope_cache
 from .progress import track
@@ -120,12 +120,9 @@ def iter_logits(runner, windows: np.ndarray, batch: int = 4) -> Iterator[tuple[i
 
 
 def needs_layerwise(cfg) -> bool:
-    """Whether a model's fp32 weights, held once while loading plus once as the model, do not fit in the memory
-    available now (the in-memory loader's rule, formats.hf.check_fits_in_memory)."""
-    with torch.device("meta"):
-        n = Model(cfg).num_params()
-    avail = available_memory()
-    return avail is not None and 2 * 4 * n > avail
+    """Whether the in-memory loader would refuse this model (formats.hf.check_fits_in_memory's rule)."""
+    _n, need, avail = fp32_load(cfg)
+    return avail is not None and need > avail
 
 
 def capture_layerwise(lw: LayerwiseModel, windows: np.ndarray, pre: Iterable[Hook] = (), post: Iterable[Hook] = (),

@@ -119,6 +119,11 @@ def test_a_quantized_checkpoint_is_not_run_layer_by_layer(saved, tmp_path):
         LayerwiseModel(open_hf(tmp_path / "q"))
 
 
+def test_layerwise_refuses_what_it_cannot_run(saved):
+    with pytest.raises(QuantgateError, match="does not combine"):
+        evaluate_model(str(saved / "moe"), str(saved / "t.txt"), ctx=32, max_windows=2, layerwise=True, kv_type="int8")
+
+
 def test_cli_layerwise_flag(saved):
     r = run_cli("eval", str(saved / "moe"), "--data", str(saved / "t.txt"), "--ctx", "32", "--max-windows", "2",
                 "--layerwise", "--json")

@@ -147,13 +147,17 @@ def config_from_hf(hf: dict, path: Path) -> tuple[ModelConfig, Layout]:
     return cfg, layout
 
 
+def fp32_load(cfg: ModelConfig) -> tuple[int, int, int | None]:
+    """(parameters, bytes the in-memory loader needs: fp32 weights read once and held once, bytes available)."""
+    with torch.device("meta"):
+        n = Model(cfg).num_params()
+    return n, 2 * 4 * n, available_memory()
+
+
 def check_fits_in_memory(cfg: ModelConfig, where: str) -> None:
     """Refuse, before allocating anything, a model whose fp32 weights (read once and held once while
     loading) would not fit in the memory this machine has free."""
-    with torch.device("meta"):
-        n = Model(cfg).num_params()
-    need = 2 * 4 * n
-    avail = available_memory()
+    n, need, avail = fp32_load(cfg)
     if avail is not None and need > avail:
         raise QuantgateError(f"{where}: describes {n / 1e9:.2f}B parameters ({need / 2**30:.1f} GiB to load in "
                              f"fp32), more than the {avail / 2**30:.1f} GiB of memory available")
