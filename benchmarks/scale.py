@@ -13,8 +13,11 @@ convert_hf_to_gguf.py (from the llama-cpp-python sdist) converts the same checkp
 Verbs: `info` (directory and GGUF), `export gguf --outtype bf16` (MTP kept), `quantize --type Q4_K_M`
 (llama.cpp's quantizer), `generate` (32 tokens), `eval` on the Q4_K_M file (perplexity, 4 windows of 128);
 `eval` of the Q4_K_M file against the checkpoint (KL divergence; the reference's fp32 logits); the PyTorch verbs
-`analyze` and `eval` of the directory (in memory where the fp32 model fits, else block by block); and `export onnx`,
-recorded as run or refused with its one line and the time the refusal took.
+`analyze` and `eval` of the directory (in memory where the fp32 model fits, else block by block); `export onnx`
+(fp32, streamed from the directory), ONNX Runtime's int4 quantizer on it and `generate` from the int4 export (up to
+2.5B parameters: that quantizer holds the fp32 graph). A verb that exits non-zero is recorded with its one line.
+`--verbs onnx` runs only the ONNX verbs and keeps each shape's other results beside them (each verb names the
+commit it ran at).
 
 Goals (issue 25): export and quantize peak RSS <= 1.5 x the largest single tensor + 1.5 GB; analyze and eval
 (run layer by layer where the fp32 model does not fit) <= the largest block in fp32 + 3 GB; time linear in
@@ -202,7 +205,8 @@ def write_checkpoint(cfg: ModelConfig, d: Path, seed: int = 0) -> dict:
 
 # --- one shape -------------------------------------------------------------------------------------------------
 
-def run_shape(name: str, work: Path, tree: Path, results: dict, save) -> None:
+def run_shape(name: str, work: Path, tree: Path, results: dict, save, verbs: str = "all") -> None:
+    """Every verb on one shape; `verbs="onnx"` only the ONNX ones, recorded beside the shape's earlier results."""
     cfg = SHAPES[name]()
     d = claim(work / name)
     t = time.perf_counter()
@@ -210,7 +214,12 @@ def run_shape(name: str, work: Path, tree: Path, results: dict, save) -> None:
     facts["write_seconds"] = time.perf_counter() - t
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=HERE).stdout.strip()
-    r = results["shapes"][name] = {"checkpoint": facts, "verbs": {}, "commit": commit}
+    old = results["shapes"].get(name)
+    if verbs == "onnx" and old:  # keep the other verbs, each ONNX one records the commit it ran at
+        r = old
+        r["verbs"] = {k: v for k, v in r["verbs"].items() if "onnx" not in k}
+    else:
+        r = results["shapes"][name] = {"checkpoint": facts, "verbs": {}, "commit": commit}
     save()
     ckpt, ours, q4 = d / "ckpt", d / "ours-BF16.gguf", d / "ours-Q4_K_M.gguf"
     os.environ["QUANTGATE_CACHE"] = str(d / "cache")  # the reference logits' cache, removed with the folder
@@ -218,12 +227,22 @@ def run_shape(name: str, work: Path, tree: Path, results: dict, save) -> None:
     def step(label: str, cmd: list[str]) -> dict:
         out = measured(cmd)
         r["verbs"][label] = {k: v for k, v in out.items() if k not in ("stdout", "stderr")} | {
-            "stderr_tail": out["stderr"][-600:] if out["rc"] else ""}
+            "stderr_tail": out["stderr"][-600:] if out["rc"] else "", "commit": commit}
         print(f"{name} {label}: rc {out['rc']} {out['seconds']:.1f} s peak {out['peak_rss'] / GB:.2f} GB "
               f"{out['error_line'] or ''}", flush=True)
         save()
         return out
 
+    if verbs == "all":
+        gguf_verbs(ckpt, ours, q4, step, r)
+    if verbs in ("all", "onnx"):
+        onnx_verbs(ckpt, d, step, r, facts)
+    if verbs == "all":
+        converter(ckpt, ours, d, tree, step, r, save)
+    remove_own(d)
+
+
+def gguf_verbs(ckpt: Path, ours: Path, q4: Path, step, r: dict) -> None:
     step("info (directory)", qg("info", str(ckpt)))
     step("export gguf bf16", qg("export", "gguf", str(ckpt), "--out", str(ours), "--outtype", "bf16"))
     if ours.exists():
@@ -242,9 +261,28 @@ def run_shape(name: str, work: Path, tree: Path, results: dict, save) -> None:
     # the PyTorch verbs: in memory where the fp32 model fits, else one block at a time (quantgate.layerwise)
     step("analyze (torch)", qg("analyze", str(ckpt), "--windows", "2", "--ctx", "64"))
     step("eval (torch, directory)", qg("eval", str(ckpt), "--max-windows", "2", "--ctx", "64"))
-    if facts["params"] > 1.0e9:  # the 0.8B's fp32 ONNX export is measured in laptop_speed (14.1 GB); above: refused
-        step("export onnx (fp32)", qg("export", "onnx", str(ckpt), "--out", str(d / "onnx")))
-    # llama.cpp's own converter on the same checkpoint, to the same out type, MTP kept as ours keeps it
+
+
+def onnx_verbs(ckpt: Path, d: Path, step, r: dict, facts: dict) -> None:
+    """The fp32 ONNX export, streamed from the directory; then ONNX Runtime's int4 quantizer and a generate on it."""
+    onnx_dir, q = d / "onnx", d / "onnx-int4"
+    step("export onnx (fp32)", qg("export", "onnx", str(ckpt), "--out", str(onnx_dir)))
+    if not (onnx_dir / "model.onnx").is_file():
+        return
+    r["onnx_bytes"] = sum(f.stat().st_size for f in onnx_dir.iterdir() if f.name.startswith("model.onnx"))
+    if facts["params"] > 2.5e9:  # ORT's quantizer holds the fp32 graph in memory (7.5 GB at 2B): not streamed yet
+        return
+    step("quantize onnx int4 (ONNX Runtime)", qg("quantize", str(onnx_dir), "--scheme", "int4", "--out", str(q)))
+    shutil.rmtree(onnx_dir, ignore_errors=True)  # written by the step above, in this script's own folder
+    if (q / "model.onnx").is_file():
+        r["onnx_int4_bytes"] = sum(f.stat().st_size for f in q.iterdir() if f.name.startswith("model.onnx"))
+        step("generate 32 tokens (onnx int4)", qg("generate", str(q), "--prompt", "def main():", "--max-tokens", "32",
+                                                  "--threads", "2"))
+        shutil.rmtree(q, ignore_errors=True)
+
+
+def converter(ckpt: Path, ours: Path, d: Path, tree: Path, step, r: dict, save) -> None:
+    """llama.cpp's own converter on the same checkpoint, to the same out type, MTP kept as ours keeps it."""
     ref = d / "ref-BF16.gguf"
     jobs = d / "jobs.json"
     jobs.write_text(json.dumps([[str(ckpt), "--outfile", str(ref), "--outtype", "bf16"]]))
@@ -254,7 +292,6 @@ def run_shape(name: str, work: Path, tree: Path, results: dict, save) -> None:
         if ours.exists():
             r["equal_to_converter"] = same_tensors(ours, ref)
         save()
-    remove_own(d)
 
 
 MARKER = ".quantgate-scale"  # in every folder this script creates; only such folders are ever removed
@@ -314,17 +351,18 @@ def write_markdown(res: dict, path: Path) -> None:
                   "| verb | result | wall s | peak RSS GB | goal GB | verdict |", "|---|---|---|---|---|---|"]
         for label, v in s["verbs"].items():
             torch_verb = label.startswith(("analyze (torch)", "eval (torch", "eval KLD"))
-            bounded = label.startswith(("export gguf", "quantize", "llama.cpp convert")) or \
+            bounded = label.startswith(("export gguf", "export onnx", "quantize", "llama.cpp convert")) or \
                 (torch_verb and "largest_block_fp32_bytes" in c)
             g = c["largest_block_fp32_bytes"] + 3e9 if torch_verb and bounded else goal
             ok = "" if not bounded or v["rc"] else ("met" if v["peak_rss"] <= g else
                                                     f"missed by {(v['peak_rss'] - g) / GB:.2f} GB")
             ok = f"(the converter, for comparison: {ok})" if ok and label.startswith("llama.cpp") else ok
             what = "ok" if v["rc"] == 0 else f"exit {v['rc']}: {(v['error_line'] or '').removeprefix('error: ')[:110]}"
+            label = label + (f" ({v['commit']})" if v.get("commit") and v["commit"] != s.get("commit") else "")
             lines.append(f"| {label} | {what} | {v['seconds']:.1f} | {v['peak_rss'] / GB:.2f} | "
                          f"{g / GB:.2f} | {ok} |" if bounded else
                          f"| {label} | {what} | {v['seconds']:.1f} | {v['peak_rss'] / GB:.2f} | | |")
-        sizes = [f"{k.replace('_bytes', '')} {s[k] / GB:.2f} GB" for k in ("ours_gguf_bytes", "ref_gguf_bytes", "q4_bytes")
+        sizes = [f"{k.replace('_bytes', '')} {s[k] / GB:.2f} GB" for k in ("ours_gguf_bytes", "ref_gguf_bytes", "q4_bytes", "onnx_bytes", "onnx_int4_bytes")
                  if k in s]
         lines += ["", "Files: " + ", ".join(sizes) + "." if sizes else "", ""]
         eq = s.get("equal_to_converter")
@@ -361,6 +399,8 @@ def main() -> None:
     ap.add_argument("--llama-cpp-src", default=None)
     ap.add_argument("--out", default=str(RESULTS / "scale.json"))
     ap.add_argument("--markdown-only", action="store_true")
+    ap.add_argument("--verbs", choices=("all", "onnx"), default="all",
+                    help="onnx: only the ONNX verbs, kept beside each shape's other results (implies --merge)")
     ap.add_argument("--merge", action="store_true", help="keep the other shapes of an existing --out; rerun these")
     args = ap.parse_args()
     out = Path(args.out)
@@ -387,9 +427,11 @@ def main() -> None:
                 if ln.startswith("MemTotal:")), 0)
     res = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
            "machine": f"{os.cpu_count()} cores, {mem / 2**30:.0f} GiB, {platform.machine()}", "shapes": {}}
+    if args.verbs == "onnx":
+        args.merge = True
     if args.merge and out.is_file():  # each shape records the commit it ran at
         old = json.loads(out.read_text())
-        res["shapes"] = {k: v for k, v in old["shapes"].items() if k not in shapes}
+        res["shapes"] = {k: v for k, v in old["shapes"].items() if k not in shapes or args.verbs == "onnx"}
         res["started"] = f"{old['started']}; {res['started']}"
 
     def save():
@@ -399,7 +441,7 @@ def main() -> None:
         write_markdown(res, out.with_suffix(".md"))
 
     for name in shapes:
-        run_shape(name, work, tree, res, save)
+        run_shape(name, work, tree, res, save, args.verbs)
     if not args.work:  # the temporary folder made above, with the sdist tree fetched into it
         shutil.rmtree(work, ignore_errors=True)
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -26,14 +24,16 @@ import torch.nn as nn
 from quantgate import __version__
 from quantgate.errors import QuantgateError
 from quantgate.formats import load_checkpoint
-from quantgate.formats.hf import available_memory, config_to_hf
-from quantgate.formats.onnx_io import INLINE_LIMIT, io_names, onnx_bytes, save_onnx, weight_bytes
+from quantgate.formats.hf import available_memory, config_to_hf, open_hf
+from quantgate.formats.kind import artifact_kind
+from quantgate.formats.onnx_io import EXTERNAL_DATA, INLINE_LIMIT, io_names, onnx_bytes, save_onnx, weight_bytes
 from quantgate.fsio import atomic_dir, check_output
 from quantgate.info import header_config, param_count
 from quantgate.layouts import DEFAULT_LAYOUT_FOR_GATE, LAYOUTS
 from quantgate.model import Model
 
 from .onnx_gqa import build_gqa_graph
+from .onnx_stream import plan_bytes, trace_graph, write_weights
 
 # io_names (the I/O spec) lives in quantgate.formats.onnx_io; importable from here for one release
 
@@ -86,53 +86,42 @@ def export_copy(model: Model) -> Model:
 
 
 def trace_to_onnx(model: Model, path: Path, opset: int = 23, dtype: str = "fp32", graph_form: str = "standard") -> None:
-    """torch.onnx.export (dynamo) of a fused copy of `model` to `path` (or, for graph_form 'gqa', the
-    hand-built GroupQueryAttention graph of export/onnx_gqa.py)."""
+    """`model` as an ONNX decoder at `path`: the traced graph with its weights streamed from the model's state dict
+    (write_onnx), or, for graph_form 'gqa', the hand-built GroupQueryAttention graph of export/onnx_gqa.py."""
     import onnx
-    from torch.export import Dim
 
-    if graph_form == "gqa":
-        graph = build_gqa_graph(model)
-        inline = weight_bytes(graph) <= INLINE_LIMIT
-        if inline:  # the checker serializes a graph it is given: only below protobuf's 2 GiB limit
-            onnx.checker.check_model(graph)
-        _save(graph, path, dtype)
-        if not inline and dtype == "fp32":  # a Qwen3-0.6B-sized graph (2.4 GB) is checked from its file
-            onnx.checker.check_model(str(path))
+    if graph_form != "gqa":
+        write_onnx(model.cfg, model.state_dict(), path, opset, dtype)
         return
-
-    m = export_copy(model)
-    cfg = m.cfg
-    args = example_inputs(cfg)
-    batch, seq, past = Dim("batch", min=1, max=1024), Dim("sequence_length", min=1, max=cfg.max_seq_len), \
-        Dim("past_sequence_length", min=0, max=cfg.max_seq_len)
-    total = Dim("total_sequence_length", min=1, max=2 * cfg.max_seq_len)
-    cache = [d for i in range(cfg.n_layers) for d in  # GDN states have a fixed size: only the batch varies
-             ([{0: batch}] * 2 if cfg.layer_type(i) == "linear_attention" else [{0: batch, 2: past}] * 2)]
-    shapes = ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: seq}, tuple(cache))  # *past_flat: one entry
-    names_in, names_out = io_names(cfg.layer_types or cfg.n_layers)
-    import logging
-    import warnings
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # e.g. "torchvision is not installed"
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prog = torch.onnx.export(DecoderWithPast(m), args, dynamo=True, opset_version=opset,
-                                 input_names=names_in, output_names=names_out, dynamic_shapes=shapes,
-                                 optimize=True, verbose=False)
-    traced = Path(tempfile.mkdtemp(prefix="traced-", dir=path.parent))  # the exporter's own file (and its data)
-    try:
-        prog.save(str(traced / path.name))
-        del prog
-        graph = onnx.load(str(traced / path.name))
-    finally:
-        shutil.rmtree(traced, ignore_errors=True)
-    name_linear_weights(graph)
+    graph = build_gqa_graph(model)
     inline = weight_bytes(graph) <= INLINE_LIMIT
-    if inline:  # the checker serializes a graph it is given: only below protobuf's limit
+    if inline:  # the checker serializes a graph it is given: only below protobuf's 2 GiB limit
         onnx.checker.check_model(graph)
     _save(graph, path, dtype)
-    if not inline and dtype == "fp32":  # a graph with external data is checked from its file
+    if not inline and dtype == "fp32":  # a Qwen3-0.6B-sized graph (2.4 GB) is checked from its file
         onnx.checker.check_model(str(path))
+
+
+def write_onnx(cfg, weights, path: Path, opset: int = 23, dtype: str = "fp32") -> None:
+    """The decoder of `cfg` traced on the meta device, its weights written from `weights` (our parameter names ->
+    tensors of any float dtype: a state dict, or a checkpoint's CheckpointWeights) one at a time into
+    model.onnx.data beside `path` (export/onnx_stream.py). Weights of 1 GiB or less are then folded into
+    model.onnx itself, and fp16 is converted from the fp32 file (both in memory, which their size allows)."""
+    import onnx
+    import onnx_ir as ir
+
+    traced, plan = trace_graph(cfg, opset)
+    write_weights(traced.graph, plan, weights, cfg, path.parent, label=f"writing {path.name}")
+    proto = ir.serde.serialize_model(traced)
+    del traced
+    name_linear_weights(proto)
+    onnx.save(proto, str(path))
+    del proto
+    onnx.checker.check_model(str(path))  # from the file: the checker reads external data's headers, not the bytes
+    if dtype == "fp16" or plan_bytes(plan) <= INLINE_LIMIT:
+        graph = onnx.load(str(path))
+        (path.parent / EXTERNAL_DATA).unlink()
+        _save(graph, path, dtype)
 
 
 def _save(graph, path: Path, dtype: str) -> None:
@@ -146,49 +135,29 @@ def _save(graph, path: Path, dtype: str) -> None:
 
 
 def name_linear_weights(model) -> None:
-    """Give every Linear's MatMul and its (pre-transposed) weight the module's name, e.g.
-    `model.layers.0.self_attn.qg_proj.MatMul` and `...qg_proj.weight_T`, so quantizers, the gate-survival
-    check and people reading the graph can find them (the exporter's constant folding leaves `val_30`).
-    Drops the exporter's per-node stack traces (they hold local paths)."""
-    inits = {i.name: i for i in model.graph.initializer}
-    uses: dict[str, int] = {}
-    for n in model.graph.node:
-        for x in n.input:
-            uses[x] = uses.get(x, 0) + 1
-    renames = {}
-    for n in model.graph.node:
-        props = {p.key: p.value for p in n.metadata_props}
+    """Give every Linear's MatMul the module's name, e.g. `model.layers.0.self_attn.qg_proj.MatMul` (its weight is
+    already `...qg_proj.weight_T`, export/onnx_stream.py), so quantizers, the gate-survival check and people reading
+    the graph can find them (the exporter names the node `node_MatMul_30`). Drops the exporter's per-node stack
+    traces, in Scan bodies too (they hold local paths and the tracer's counters)."""
+    for n in _all_nodes(model.graph):
         for p in [p for p in n.metadata_props if p.key == "pkg.torch.onnx.stack_trace"]:
             n.metadata_props.remove(p)
+    for n in model.graph.node:
+        props = {p.key: p.value for p in n.metadata_props}
         if n.op_type != "MatMul" or "pkg.torch.onnx.name_scopes" not in props:
             continue
-        scopes = [x.strip(" '") for x in props["pkg.torch.onnx.name_scopes"].strip("[]").split(",")]
-        module = next((x for x in reversed(scopes) if LINEAR_MODULE.search(x)), None)
-        if module is None:
-            continue
-        n.name = f"{module}.MatMul"
-        b = n.input[1]
-        if b in inits and uses.get(b) == 1:
-            renames[b] = f"{module}.weight_T"
-    for old, new in renames.items():
-        inits[old].name = new
-        for n in model.graph.node:
-            n.input[:] = [new if x == old else x for x in n.input]
-    _own_norm_weights(model)
-    _own_gdn_decay(model)
-    _drop_unused_initializers(model)
+        module = next((x for x in reversed(_scopes(n)) if LINEAR_MODULE.search(x)), None)
+        if module is not None:
+            n.name = f"{module}.MatMul"
 
 
-def _drop_unused_initializers(model) -> None:
-    """Initializers no node reads any more (the shared ones the two functions above replaced): ONNX Runtime would
-    warn about each one on every load."""
+def _all_nodes(graph):
     import onnx
-    used = {x for n in model.graph.node for x in n.input} | {o.name for o in model.graph.output}
-    for a in (a for n in model.graph.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH):
-        used |= {x for n in a.g.node for x in n.input}  # a Scan body reads outer initializers by name
-    keep = [t for t in model.graph.initializer if t.name in used]
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(keep)
+    for n in graph.node:
+        yield n
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield from _all_nodes(a.g)
 
 
 LINEAR_MODULE = re.compile(r"(_proj|\.in_proj_(qkv|z|a|b)|lm_head)$")  # a Linear's module name (GDN's in_proj_*)
@@ -199,65 +168,17 @@ def _scopes(node) -> list[str]:
     return [x.strip(" '") for x in props.get("pkg.torch.onnx.name_scopes", "").strip("[]").split(",")]
 
 
-def _own_gdn_decay(model) -> None:
-    """The exporter folds a Gated DeltaNet's -exp(A_log) into an anonymous constant, and shares one dt_bias between
-    layers whose values are equal (all ones at init); name them per layer, `<layer>.linear_attn.A` (its value
-    -exp(A_log)) and `<layer>.linear_attn.dt_bias`, so the reader finds every layer's parameters again."""
-    inits = {i.name: i for i in model.graph.initializer}
-    for n in model.graph.node:
-        module = next((x for x in reversed(_scopes(n)) if x.endswith(".linear_attn")), None)
-        if module is None or n.op_type not in ("Mul", "Add"):
-            continue
-        for k, x in enumerate(n.input):
-            t = inits.get(x)
-            if t is None or len(t.dims) != 1 or t.dims[0] < 1 or t.data_type not in (1, 10):
-                continue
-            if n.op_type == "Mul" and not x.startswith("model."):
-                _own_initializer(model, inits, n, k, f"{module}.A")
-            elif n.op_type == "Add" and x.endswith(".linear_attn.dt_bias"):
-                _own_initializer(model, inits, n, k, f"{module}.dt_bias")
-
-
-def _own_initializer(model, inits: dict, node, k: int, want: str) -> None:
-    """Point input k of `node` at an initializer named `want` (a copy of the one it reads, made once)."""
-    import copy as _copy
-    if node.input[k] == want:
-        return
-    if want not in inits:
-        t = _copy.deepcopy(inits[node.input[k]])
-        t.name = want
-        model.graph.initializer.append(t)
-        inits[want] = t
-    node.input[k] = want
-
-
-def _own_norm_weights(model) -> None:
-    """The exporter shares one initializer between equal norm weights (e.g. q_norm and k_norm still at 1.0);
-    give every norm its own `<module>.weight` so the weights can be read back by name."""
-    import copy as _copy
-    inits = {i.name: i for i in model.graph.initializer}
-    for n in model.graph.node:
-        props = {p.key: p.value for p in n.metadata_props}
-        scopes = [x.strip(" '") for x in props.get("pkg.torch.onnx.name_scopes", "").strip("[]").split(",")]
-        module = next((x for x in reversed(scopes) if x.endswith("norm")), None)
-        if module is None or n.op_type not in ("RMSNormalization", "Mul"):
-            continue
-        want = f"{module}.weight"
-        for k, x in enumerate(n.input):  # the scale: a float vector (not an axes or epsilon constant)
-            t = inits.get(x)
-            if t is not None and len(t.dims) == 1 and t.dims[0] > 1 and t.data_type in (1, 10) and x != want:
-                if want not in inits:
-                    t = _copy.deepcopy(inits[x])
-                    t.name = want
-                    model.graph.initializer.append(t)
-                    inits[want] = t
-                n.input[k] = want
-
-
 def export_onnx(model: Model, tokenizer, out_dir: str | Path, opset: int = 23, graph: str = "standard",
                 dtype: str = "fp32", layout: str | None = None, source: str = "", inputs: tuple = ()) -> Path:
     """Write `out_dir` (atomically): model.onnx, config.json, tokenizer, generation_config.json, quantgate.json."""
-    cfg = model.cfg
+    return _export(model.cfg, tokenizer, out_dir, lambda path: trace_to_onnx(model, path, opset, dtype, graph),
+                   opset, graph, dtype, layout, source, inputs)
+
+
+def _export(cfg, tokenizer, out_dir: str | Path, write, opset: int, graph: str, dtype: str, layout: str | None,
+            source: str, inputs: tuple) -> Path:
+    """The export directory around `write(path of model.onnx)`: options and model checked first, then everything
+    written into a temporary folder renamed into place."""
     if opset not in OPSETS:
         raise QuantgateError(f"unsupported --opset {opset}; choose from {', '.join(map(str, OPSETS))}")
     if graph not in GRAPHS:
@@ -277,15 +198,15 @@ def export_onnx(model: Model, tokenizer, out_dir: str | Path, opset: int = 23, g
     if cfg.is_hybrid and dtype == "fp16":
         raise QuantgateError("--dtype fp16 is not available for hybrid (Gated DeltaNet) models: their recurrent state "
                              "is kept in fp32; export fp32 and quantize it (int8, int4)")
+    if graph == "gqa" and opset != 23:
+        raise QuantgateError("--graph gqa is built at opset 23 (RMSNormalization); drop --opset 18")
+    if graph == "gqa" and (cfg.rotary_dim // 2) % 8:
+        raise QuantgateError(f"--graph gqa: ORT's GroupQueryAttention needs rotary_dim/2 to be a multiple of 8 "
+                             f"(this model rotates {cfg.rotary_dim} channels); use --graph standard")
     default = "qwen3_5" if cfg.is_hybrid else DEFAULT_LAYOUT_FOR_GATE[cfg.gate]
     lay = LAYOUTS[layout if layout in LAYOUTS and LAYOUTS[layout].cannot_hold(cfg) is None else default]
     with atomic_dir(out_dir, "onnx") as tmp:
-        if graph == "gqa" and opset != 23:
-            raise QuantgateError("--graph gqa is built at opset 23 (RMSNormalization); drop --opset 18")
-        if graph == "gqa" and (cfg.rotary_dim // 2) % 8:
-            raise QuantgateError(f"--graph gqa: ORT's GroupQueryAttention needs rotary_dim/2 to be a multiple of 8 "
-                                 f"(this model rotates {cfg.rotary_dim} channels); use --graph standard")
-        trace_to_onnx(model, tmp / "model.onnx", opset, dtype, graph)
+        write(tmp / "model.onnx")
         hf = config_to_hf(cfg, lay)
         hf["use_cache"] = True
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
@@ -302,10 +223,10 @@ def export_onnx(model: Model, tokenizer, out_dir: str | Path, opset: int = 23, g
     return out_dir
 
 
-# What the ONNX export (torch.onnx's trace of the fp32 model, then the file) held at its peak per parameter:
-# 14.1 GB for the Qwen3.5-0.8B shape's 0.75 B (benchmarks/results/hybrid_laptop_shape.json). The export does not
-# stream yet, so a model whose estimate exceeds the memory available is refused before the trace starts (the 2B
-# shape was killed by the kernel at 24.6 GB after 130 s, benchmarks/results/scale.json).
+# What an export that holds the whole model held at its peak per parameter: 14.1 GB for the Qwen3.5-0.8B shape's
+# 0.75 B (benchmarks/results/hybrid_laptop_shape.json), measured when every export traced the fp32 model in memory.
+# Only the paths that still need the model in memory use it now: --graph gqa, --dtype fp16, and a GGUF or ONNX
+# source (read back into a model first); the fp32 standard graph of a model directory streams.
 EXPORT_BYTES_PER_PARAM = 19
 
 
@@ -315,26 +236,39 @@ MOE_REFUSAL = ("ONNX export of mixture-of-experts models is not supported yet (t
                "onnxruntime's com.microsoft.MoE op); export to GGUF instead: `quantgate export gguf`")
 
 
-def check_export_memory(model_path: str | Path) -> None:
+def check_export_memory(model_path: str | Path, why: str) -> None:
+    """Refuse, before anything is read, an export that needs the whole model in memory where it cannot fit."""
     if header_config(model_path).is_moe:
         raise QuantgateError(f"{model_path}: {MOE_REFUSAL}")
     n = param_count(model_path)
     need, avail = EXPORT_BYTES_PER_PARAM * n, available_memory()
     if avail is not None and need > avail:
-        raise QuantgateError(f"{model_path}: exporting {n / 1e9:.2f}B parameters to ONNX needs about "
-                             f"{need / 2**30:.0f} GiB of memory (measured: {EXPORT_BYTES_PER_PARAM} bytes per "
-                             f"parameter), more than the {avail / 2**30:.1f} GiB available; `quantgate export gguf` "
-                             f"streams instead")
+        raise QuantgateError(f"{model_path}: {why} holds the whole model in memory: about {need / 2**30:.0f} GiB for "
+                             f"{n / 1e9:.2f}B parameters (measured: {EXPORT_BYTES_PER_PARAM} bytes per parameter), "
+                             f"more than the {avail / 2**30:.1f} GiB available; the fp32 --graph standard export of a "
+                             f"model directory streams")
 
 
 def export_checkpoint(model_path: str | Path, out_dir: str | Path, opset: int = 23, graph: str = "standard",
                       dtype: str = "fp32") -> dict:
-    """`quantgate export onnx`: load any layout the loader reads (or a GGUF) and write the ONNX directory."""
+    """`quantgate export onnx`: write the ONNX directory of any layout the loader reads (or of a GGUF). The fp32
+    standard graph of a model directory is streamed from its safetensors tensor by tensor (write_onnx), so no
+    verb holds the model; the other forms load it first."""
     check_output(out_dir, "onnx", (model_path,))
-    check_export_memory(model_path)
-    loaded = load_checkpoint(model_path)
-    export_onnx(loaded.model, loaded.tokenizer, out_dir, opset, graph, dtype, layout=loaded.layout,
-                source=str(model_path), inputs=(model_path,))
+    kind = artifact_kind(model_path)
+    if kind == "hf" and graph == "standard" and dtype == "fp32":
+        ckpt = open_hf(model_path)
+        cfg = ckpt.cfg
+        _export(cfg, ckpt.tokenizer, out_dir, lambda path: write_onnx(cfg, ckpt.weights(), path, opset, dtype),
+                opset, graph, dtype, ckpt.layout.name, str(model_path), (model_path,))
+    else:
+        why = ("--graph gqa" if graph == "gqa" else "--dtype fp16" if dtype == "fp16"
+               else f"exporting a {kind.upper()} file")
+        check_export_memory(model_path, why)
+        loaded = load_checkpoint(model_path)
+        cfg = loaded.model.cfg
+        export_onnx(loaded.model, loaded.tokenizer, out_dir, opset, graph, dtype, layout=loaded.layout,
+                    source=str(model_path), inputs=(model_path,))
     size = onnx_bytes(Path(out_dir))
-    return {"model": str(model_path), "out": str(out_dir), "gate": loaded.model.cfg.gate, "opset": opset,
+    return {"model": str(model_path), "out": str(out_dir), "gate": cfg.gate, "opset": opset,
             "graph": graph, "dtype": dtype, "bytes": size}

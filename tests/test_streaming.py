@@ -257,13 +257,3 @@ def test_a_gguf_is_parsed_once_until_it_changes(tmp_path, monkeypatch):
     assert len(parses) == 1
     export_gguf(_model("elementwise", True, False, seed=5), byte_tokenizer(), f, "f16")  # replaced in place
     assert inspect_gguf(f).file_type == "F16" and len(parses) == 2
-
-
-def test_an_onnx_export_that_cannot_fit_is_refused_before_the_trace(tmp_path, monkeypatch):
-    import quantgate.export.onnx as onnx_export
-    d = _save(_model("elementwise", True, False), "qwen3_5", tmp_path / "ckpt", bf16=True)
-    monkeypatch.setattr(onnx_export, "available_memory", lambda: 10 ** 6)
-    monkeypatch.setattr(onnx_export, "load_checkpoint", lambda *a: pytest.fail("loaded the model"))
-    with pytest.raises(QuantgateError, match="to ONNX needs about .* `quantgate export gguf` streams instead"):
-        onnx_export.export_checkpoint(d, tmp_path / "onnx")
-    assert not (tmp_path / "onnx").exists()

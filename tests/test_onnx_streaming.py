@@ -1,0 +1,104 @@
+"""The ONNX export streamed from a model directory (issue 25): the graph traced on the meta device, every weight
+written to model.onnx.data from the mmapped safetensors one tensor at a time (export/onnx_stream.py).
+
+Asserted: the export of a directory is byte for byte the export of the same checkpoint loaded whole, for every
+layout, fp32 and bf16 checkpoints, tied and untied heads; it still equals it when every large tensor is converted in
+small chunks; only the tensors of one weight are alive while it is written; a model whose weights go to external data
+runs in ONNX Runtime with PyTorch's logits and reads back; only the forms that hold the model in memory (--dtype
+fp16, --graph gqa, a GGUF source) are refused where it cannot fit, before anything is read.
+"""
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+import quantgate.export.onnx as onnx_export
+import quantgate.export.onnx_stream as onnx_stream
+from conftest import rel_err
+from quantgate.errors import QuantgateError
+from quantgate.formats import hf as hf_format
+from quantgate.formats import load_checkpoint
+from quantgate.formats.onnx import load_onnx_model
+from quantgate.formats.onnx_io import EXTERNAL_DATA
+from quantgate.runners import OrtRunner
+from test_streaming import CASES, _model, _save
+
+W = np.array([[0] + list(range(3, 30)), [0] + list(range(299, 272, -1))], dtype=np.int64)
+
+
+def _files(d) -> dict[str, bytes]:
+    return {f: (d / f).read_bytes() for f in ("model.onnx", EXTERNAL_DATA) if (d / f).exists()}
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32-stored", "bf16-stored"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_streamed_onnx_is_byte_identical_to_the_in_memory_export(tmp_path, case, bf16):
+    gate, layout, is_hybrid, tied = CASES[case]
+    d = _save(_model(gate, is_hybrid, tied), layout, tmp_path / "ckpt", bf16)
+    onnx_export.export_checkpoint(d, tmp_path / "streamed")
+    loaded = load_checkpoint(d)
+    onnx_export.export_onnx(loaded.model, loaded.tokenizer, tmp_path / "whole", layout=loaded.layout)
+    streamed, whole = _files(tmp_path / "streamed"), _files(tmp_path / "whole")
+    assert list(streamed) == ["model.onnx"] and streamed == whole, case  # small weights are folded into the graph
+
+
+def test_small_chunks_write_the_same_file_and_one_weight_is_alive_at_a_time(tmp_path, monkeypatch):
+    m = _model("elementwise", True, False)
+    d = _save(m, "qwen3_5", tmp_path / "ckpt", bf16=True)
+    onnx_export.export_checkpoint(d, tmp_path / "default")
+    monkeypatch.setattr(onnx_stream, "CHUNK_BYTES", 1024)  # every matrix and the vocabulary table in pieces
+    alive: list[tuple[str, weakref.ref]] = []
+    peak = {"alive": 0, "reads": 0}
+    real = hf_format.TensorSource.get_stored
+
+    def counting(self, name):
+        alive[:] = [(n, r) for n, r in alive if r() is not None]
+        t = real(self, name)
+        alive.append((name, weakref.ref(t)))
+        peak["alive"], peak["reads"] = max(peak["alive"], len(alive)), peak["reads"] + 1
+        return t
+
+    monkeypatch.setattr(hf_format.TensorSource, "get_stored", counting)
+    onnx_export.export_checkpoint(d, tmp_path / "chunked")
+    assert _files(tmp_path / "chunked") == _files(tmp_path / "default")
+    assert peak["reads"] >= len(m.state_dict()) - 1
+    assert peak["alive"] <= 2, peak  # the fused q-and-gate weight reads its two halves; nothing else overlaps
+
+
+@pytest.mark.parametrize("case", ["qwen35-gated-r2", "official-headwise"])
+def test_external_data_export_runs_with_pytorchs_logits_and_reads_back(tmp_path, monkeypatch, case):
+    gate, layout, is_hybrid, tied = CASES[case]
+    m = _model(gate, is_hybrid, tied)
+    d = _save(m, layout, tmp_path / "ckpt", bf16=False)
+    monkeypatch.setattr(onnx_export, "INLINE_LIMIT", 0)  # as a model over 1 GiB is written
+    onnx_export.export_checkpoint(d, tmp_path / "onnx")
+    out = tmp_path / "onnx"
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    external = [t for t in graph.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    weights = [t for t in graph.graph.initializer if t.name.startswith("model.")]
+    assert (out / EXTERNAL_DATA).is_file() and len(weights) >= m.cfg.n_layers and external == weights
+    offsets = [int({e.key: e.value for e in t.external_data}["offset"]) for t in external]
+    assert all(o % onnx_stream.ALIGN == 0 for o in offsets)  # ORT maps page-aligned weights
+    with torch.no_grad():
+        ref = m(torch.as_tensor(W)).logits.numpy()
+    with OrtRunner(out) as r:
+        assert rel_err(r.logits(W), ref) <= 1e-5
+    back = load_onnx_model(out).model.state_dict()
+    ours = m.state_dict()
+    assert max(rel_err(back[k], ours[k]) for k in ours) <= 1e-6
+
+
+def test_only_the_in_memory_forms_are_refused_where_the_model_cannot_fit(tmp_path, monkeypatch):
+    d = _save(_model("elementwise", False, False), "qwen3_next", tmp_path / "ckpt", bf16=True)
+    monkeypatch.setattr(onnx_export, "available_memory", lambda: 10 ** 6)
+    monkeypatch.setattr(onnx_export, "load_checkpoint", lambda *a: pytest.fail("loaded the model"))
+    for kw, why in (({"dtype": "fp16"}, "--dtype fp16"), ({"graph": "gqa"}, "--graph gqa")):
+        with pytest.raises(QuantgateError, match=f"{why} holds the whole model in memory.*streams"):
+            onnx_export.export_checkpoint(d, tmp_path / "refused", **kw)
+        assert not (tmp_path / "refused").exists()
+    summary = onnx_export.export_checkpoint(d, tmp_path / "streamed")  # the fp32 standard graph never loads it
+    assert summary["bytes"] > 0 and (tmp_path / "streamed" / "model.onnx").is_file()
