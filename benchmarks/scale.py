@@ -14,8 +14,8 @@ Verbs: `info` (directory and GGUF), `export gguf --outtype bf16` (MTP kept), `qu
 (llama.cpp's quantizer), `generate` (32 tokens), `eval` on the Q4_K_M file (perplexity, 4 windows of 128);
 `eval` of the Q4_K_M file against the checkpoint (KL divergence; the reference's fp32 logits); the PyTorch verbs
 `analyze` and `eval` of the directory (in memory where the fp32 model fits, else block by block); `export onnx`
-(fp32, streamed from the directory), ONNX Runtime's int4 quantizer on it and `generate` from the int4 export (up to
-2.5B parameters: that quantizer holds the fp32 graph). A verb that exits non-zero is recorded with its one line.
+(fp32, streamed from the directory), `quantize --scheme int4` on it (ORT's MatMulNBits quantizer, one MatMul at a
+time) and `generate` from the int4 export. A verb that exits non-zero is recorded with its one line.
 `--verbs onnx` runs only the ONNX verbs and keeps each shape's other results beside them (each verb names the
 commit it ran at).
 
@@ -264,14 +264,13 @@ def gguf_verbs(ckpt: Path, ours: Path, q4: Path, step, r: dict) -> None:
 
 
 def onnx_verbs(ckpt: Path, d: Path, step, r: dict, facts: dict) -> None:
-    """The fp32 ONNX export, streamed from the directory; then ONNX Runtime's int4 quantizer and a generate on it."""
+    """The fp32 ONNX export, streamed from the directory; then int4 (ORT's MatMulNBits quantizer, one MatMul at a
+    time) and a generate on it."""
     onnx_dir, q = d / "onnx", d / "onnx-int4"
     step("export onnx (fp32)", qg("export", "onnx", str(ckpt), "--out", str(onnx_dir)))
     if not (onnx_dir / "model.onnx").is_file():
         return
     r["onnx_bytes"] = sum(f.stat().st_size for f in onnx_dir.iterdir() if f.name.startswith("model.onnx"))
-    if facts["params"] > 2.5e9:  # ORT's quantizer holds the fp32 graph in memory (7.5 GB at 2B): not streamed yet
-        return
     step("quantize onnx int4 (ONNX Runtime)", qg("quantize", str(onnx_dir), "--scheme", "int4", "--out", str(q)))
     shutil.rmtree(onnx_dir, ignore_errors=True)  # written by the step above, in this script's own folder
     if (q / "model.onnx").is_file():

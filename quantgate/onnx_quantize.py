@@ -4,8 +4,12 @@
 |--------------|--------------------------------------------|----------------------|----------------------|
 | int8-dynamic | quantize_dynamic (MatMulConstBOnly)        | int8 per tensor      | uint8, per call      |
 | int8-static  | quantize_static, QDQ, MinMax calibration   | int8 per channel     | uint8, calibrated    |
-| int8-weight  | MatMulNBitsQuantizer bits=8                | int8 blocks          | float                |
-| int4         | MatMulNBitsQuantizer bits=4                | int4 blocks          | float                |
+| int8-weight  | MatMulNBits bits=8, one MatMul at a time   | int8 blocks          | float                |
+| int4         | MatMulNBits bits=4, one MatMul at a time   | int4 blocks          | float                |
+
+The MatMulNBits schemes run ORT's own per-node quantizer on one weight at a time, read from the export's external
+data and written out at once (quantgate.onnx_weight_only: the bytes MatMulNBitsQuantizer writes, at the memory of
+one weight); the int8 activation schemes use ORT's whole-graph tools.
 
 MatMulNBits always gets accuracy_level=4 (int8 activations inside the kernel on CPU: without it, int4
 prefill is slower than fp32). `gate_bits=8` with int4 keeps the fused q|gate MatMul of every layer at 8
@@ -28,6 +32,7 @@ from .errors import QuantgateError
 from .formats.onnx import onnx_context
 from .formats.onnx_io import INLINE_LIMIT, check_graph, onnx_bytes, read_meta, resolve_onnx, save_onnx
 from .fsio import atomic_dir, check_output
+from .onnx_weight_only import quantize_weight_only
 from .quant.schemes import ONNX_SCHEMES, with_gate_bits
 from .runners import OrtRunner
 from .tokenizer import load_tokenizer
@@ -97,14 +102,30 @@ def untie_lm_head(model) -> bool:
     return False
 
 
-def _weight_only(src: Path, dst: Path, bits: int, block_size: int, include=None, exclude=None) -> None:
+def _whole_graph(path: Path, dst: Path, work: Path, scheme: str, kept: list[str], windows) -> None:
+    """int8-dynamic and int8-static: onnxruntime.quantization's own tools, which read and write the whole graph."""
     import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_dynamic, quantize_static
 
-    q = MatMulNBitsQuantizer(onnx.load(str(src)), bits=bits, block_size=block_size, is_symmetric=True,
-                             accuracy_level=4, nodes_to_include=include, nodes_to_exclude=exclude or [])
-    q.process()
-    save_onnx(q.model.model, dst)
+    src = path
+    graph = onnx.load(str(path))
+    if untie_lm_head(graph):  # quantize the tied logits matrix too (a copy; the export is not changed)
+        src = work / "untied" / "model.onnx"
+        src.parent.mkdir()
+        save_onnx(graph, src)
+    del graph
+    big = onnx_bytes(src.parent) > INLINE_LIMIT
+    if scheme == "int8-dynamic":
+        quantize_dynamic(str(src), str(dst), op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8,
+                         nodes_to_exclude=kept, use_external_data_format=big,
+                         extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT})
+    else:
+        with OrtRunner(path) as runner:
+            reader = _Calibration(runner, windows)
+        quantize_static(str(src), str(dst), reader, quant_format=QuantFormat.QDQ,
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True,
+                        op_types_to_quantize=["MatMul"], calibrate_method=CalibrationMethod.MinMax,
+                        nodes_to_exclude=kept, use_external_data_format=big, extra_options={"MatMulConstBOnly": True})
 
 
 def quantize_onnx(src: str | Path, out_dir: str | Path, scheme: str, gate_bits: int | None = None,
@@ -155,42 +176,15 @@ def quantize_onnx(src: str | Path, out_dir: str | Path, scheme: str, gate_bits: 
 
 def _run(path: Path, out_dir: Path, scheme: str, gate_bits, block_size: int, gates: list[str], kept: list[str],
          windows, model_dir: Path, meta: dict) -> None:
-    import onnx
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_dynamic, quantize_static
-
     with atomic_dir(out_dir, "onnx") as tmp, tempfile.TemporaryDirectory() as work:
         dst = tmp / "model.onnx"
-        src = path
-        graph = onnx.load(str(path))
-        if untie_lm_head(graph):  # quantize the tied logits matrix too (a copy; the export is not changed)
-            src = Path(work) / "untied" / "model.onnx"
-            src.parent.mkdir()
-            save_onnx(graph, src)
-        del graph
-        big = onnx_bytes(src.parent) > INLINE_LIMIT
         try:
-            if scheme == "int8-dynamic":
-                quantize_dynamic(str(src), str(dst), op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8,
-                                 nodes_to_exclude=kept, use_external_data_format=big,
-                                 extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT})
-            elif scheme == "int8-static":
-                with OrtRunner(path) as runner:
-                    reader = _Calibration(runner, windows)
-                quantize_static(str(src), str(dst), reader, quant_format=QuantFormat.QDQ,
-                                activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True,
-                                op_types_to_quantize=["MatMul"], calibrate_method=CalibrationMethod.MinMax,
-                                nodes_to_exclude=kept, use_external_data_format=big,
-                                extra_options={"MatMulConstBOnly": True})
-            elif scheme == "int8-weight":
-                _weight_only(src, dst, 8, block_size, exclude=kept)
+            if scheme in ("int8-weight", "int4"):  # one MatMul at a time (onnx_weight_only), ORT's kernels
+                skip, eight = set(kept), set(gates) if gate_bits else set()
+                quantize_weight_only(path, dst, lambda n: None if n in skip else 8 if scheme == "int8-weight"
+                                     or n in eight else 4, block_size)
             else:
-                if gate_bits:
-                    mid = Path(work) / "int4.onnx"
-                    _weight_only(src, mid, 4, block_size, exclude=gates + kept)
-                    # nodes_to_include adds to what the quantizer takes (every float MatMul left), so exclude again
-                    _weight_only(mid, dst, 8, block_size, include=gates, exclude=kept)
-                else:
-                    _weight_only(src, dst, 4, block_size, exclude=kept)
+                _whole_graph(path, dst, Path(work), scheme, kept, windows)
         except (QuantgateError, OSError):
             raise
         except Exception as e:  # onnxruntime.quantization on a graph it cannot handle: one line, not its traceback

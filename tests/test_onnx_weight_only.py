@@ -1,0 +1,105 @@
+"""ONNX weight-only quantization (int4, int4 with the gates at 8 bits, int8 blocks) one MatMul at a time
+(quantgate/onnx_weight_only.py), against onnxruntime's MatMulNBitsQuantizer run on the whole graph in memory.
+
+Asserted: for tied and untied, hybrid and all-attention exports, inline or with external data in and out, every
+MatMulNBits node has the same inputs and attributes as ORT's own quantizer gives it and every weight the same
+bytes; the streamed form keeps only one weight in flight; the quantized file runs in ONNX Runtime.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+import quantgate.export.onnx as onnx_export
+import quantgate.onnx_weight_only as weight_only
+from quantgate.formats.onnx_io import EXTERNAL_DATA
+from quantgate.onnx_quantize import gate_matmuls, kept_float_matmuls, untie_lm_head
+from quantgate.runners import OrtRunner
+from test_streaming import CASES, _model, _save
+
+W = np.array([[0] + list(range(3, 30))], dtype=np.int64)
+
+
+def _reference(src, scheme: str, block: int = 32):
+    """MatMulNBitsQuantizer on the whole untied graph, as onnx_quantize ran it before streaming."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    graph = onnx.load(str(src))
+    untie_lm_head(graph)
+    gates, kept = gate_matmuls(graph), kept_float_matmuls(graph)
+
+    def run(g, bits, include=None, exclude=()):
+        q = MatMulNBitsQuantizer(g, bits=bits, block_size=block, is_symmetric=True, accuracy_level=4,
+                                 nodes_to_include=include, nodes_to_exclude=list(exclude))
+        q.process()
+        return q.model.model
+
+    if scheme == "int8-weight":
+        return run(graph, 8, exclude=kept)
+    if scheme == "int4":
+        return run(graph, 4, exclude=kept)
+    return run(run(graph, 4, exclude=gates + kept), 8, include=gates, exclude=kept)
+
+
+def _bits_of(graph, scheme: str):
+    gates, kept = set(gate_matmuls(graph)), set(kept_float_matmuls(graph))
+    return lambda n: None if n in kept else 8 if scheme == "int8-weight" or (scheme == "int4+gate8" and n in gates) \
+        else 4
+
+
+def _summary(model, base):
+    nodes = {n.name: (list(n.input), sorted((a.name, a.i) for a in n.attribute))
+             for n in model.graph.node if n.op_type == "MatMulNBits"}
+    read = {x for n in model.graph.node for x in n.input}
+    inits = {t.name: numpy_helper.to_array(t, str(base)).tobytes() for t in model.graph.initializer if t.name in read}
+    return nodes, inits
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int4+gate8", "int8-weight"])
+@pytest.mark.parametrize("case", ["qwen35-baseline-tied", "qwen35-gated-r2", "official-headwise"])
+def test_one_matmul_at_a_time_equals_onnxruntimes_quantizer(tmp_path, case, scheme):
+    gate, layout, is_hybrid, tied = CASES[case]
+    d = _save(_model(gate, is_hybrid, tied), layout, tmp_path / "ckpt", bf16=False)
+    onnx_export.export_checkpoint(d, tmp_path / "fp32")
+    src = tmp_path / "fp32" / "model.onnx"
+    (tmp_path / "q").mkdir()
+    graph = onnx.load(str(src), load_external_data=False)
+    counts = weight_only.quantize_weight_only(src, tmp_path / "q" / "model.onnx", _bits_of(graph, scheme), 32)
+    ours = onnx.load(str(tmp_path / "q" / "model.onnx"))
+    ref_nodes, ref_inits = _summary(_reference(src, scheme), tmp_path)
+    our_nodes, our_inits = _summary(ours, tmp_path / "q")
+    assert our_nodes == ref_nodes and our_inits == ref_inits
+    assert counts["int4" if scheme.startswith("int4") else "int8"] > 0
+    assert counts["float"] == len(kept_float_matmuls(graph))  # a Gated DeltaNet's in_proj_a and in_proj_b
+    for f in ("config.json", "quantgate.json", "tokenizer.json"):
+        (tmp_path / "q" / f).write_bytes((tmp_path / "fp32" / f).read_bytes())
+    with OrtRunner(tmp_path / "q") as r:
+        assert np.isfinite(r.logits(W)).all()
+
+
+def test_external_data_in_and_out_and_one_weight_in_flight(tmp_path, monkeypatch):
+    gate, layout, is_hybrid, tied = CASES["qwen35-baseline-tied"]
+    d = _save(_model(gate, is_hybrid, tied), layout, tmp_path / "ckpt", bf16=True)
+    monkeypatch.setattr(onnx_export, "INLINE_LIMIT", 0)
+    onnx_export.export_checkpoint(d, tmp_path / "fp32")
+    src = tmp_path / "fp32" / "model.onnx"
+    assert (tmp_path / "fp32" / EXTERNAL_DATA).is_file()
+    loads: list[int] = []
+    real = weight_only._loaded
+
+    def counting(t, base, name=None, transpose=False):
+        out = real(t, base, name, transpose)
+        loads.append(len(out.raw_data))
+        return out
+
+    monkeypatch.setattr(weight_only, "_loaded", counting)
+    monkeypatch.setattr(weight_only, "INLINE_LIMIT", 0)
+    (tmp_path / "q").mkdir()
+    graph = onnx.load(str(src), load_external_data=False)
+    weight_only.quantize_weight_only(src, tmp_path / "q" / "model.onnx", _bits_of(graph, "int4"), 32)
+    assert (tmp_path / "q" / EXTERNAL_DATA).is_file()
+    total = sum(t.dims[0] * t.dims[1] * 4 for t in graph.graph.initializer if t.name.endswith("weight_T"))
+    assert max(loads) < total / 4  # each MatMul's weight alone, never the model's
+    ours = _summary(onnx.load(str(tmp_path / "q" / "model.onnx")), tmp_path / "q")
+    assert ours == _summary(_reference(src, "int4"), tmp_path / "fp32")
