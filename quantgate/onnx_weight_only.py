@@ -23,6 +23,7 @@ from .memory import release_freed
 from .progress import track
 
 ALIGN = 4096
+CHUNK = 64 << 20  # bytes copied at a time from the export's data file
 INLINE_BYTES = 1024  # tensors this small stay in model.onnx (onnx.save's size_threshold in save_onnx)
 UNTIED = "model.lm_head.weight_T"
 
@@ -34,22 +35,29 @@ class _DataWriter:
         self.path, self.f, self.offset = path, open(path, "wb"), 0
 
     def put(self, t, base: Path | None = None):
-        """A proto of `t` (read from `base`'s external data when it lives there): inline if tiny, else appended."""
+        """A proto of `t` (read from `base`'s external data when it lives there): inline if tiny, else appended,
+        copied CHUNK bytes at a time from the source file."""
         import onnx
-        raw = _raw(t, base)
         out = _header(t)
-        if len(raw) <= INLINE_BYTES:
-            out.raw_data = raw
-            return out
+        where = _external(t)
+        if where is None or where[2] <= INLINE_BYTES:
+            raw = _raw(t, base)
+            if len(raw) <= INLINE_BYTES:
+                out.raw_data = raw
+                return out
+            pieces, n = [raw], len(raw)
+        else:
+            pieces, n = _chunks(base / where[0], where[1], where[2]), where[2]
         pad = -self.offset % ALIGN
         self.f.write(b"\0" * pad)
         self.offset += pad
-        self.f.write(raw)
+        for piece in pieces:
+            self.f.write(piece)
         out.data_location = onnx.TensorProto.EXTERNAL
-        for k, v in (("location", EXTERNAL_DATA), ("offset", str(self.offset)), ("length", str(len(raw)))):
+        for k, v in (("location", EXTERNAL_DATA), ("offset", str(self.offset)), ("length", str(n))):
             e = out.external_data.add()
             e.key, e.value = k, v
-        self.offset += len(raw)
+        self.offset += n
         return out
 
     def close(self) -> None:
@@ -63,6 +71,28 @@ def _header(t):
     h.name, h.data_type = t.name, t.data_type
     h.dims.extend(t.dims)
     return h
+
+
+def _external(t) -> tuple[str, int, int] | None:
+    """(file, offset, length) of a tensor stored in external data, else None."""
+    import onnx
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        return None
+    info = {e.key: e.value for e in t.external_data}
+    if "length" not in info:
+        return None
+    return info["location"], int(info.get("offset", 0)), int(info["length"])
+
+
+def _chunks(path: Path, offset: int, length: int):
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while length > 0:
+            piece = f.read(min(CHUNK, length))
+            if not piece:
+                raise OSError(f"{path}: external data ends before {length} more bytes")
+            length -= len(piece)
+            yield piece
 
 
 def _raw(t, base: Path | None) -> bytes:
@@ -80,12 +110,18 @@ def _raw(t, base: Path | None) -> bytes:
 
 
 def _loaded(t, base: Path, name: str | None = None, transpose: bool = False):
-    """An in-memory tensor proto of `t` (optionally transposed, under another name), what ORT's quantizer reads."""
+    """An in-memory tensor proto of `t` (optionally transposed, under another name), what ORT's quantizer reads. An
+    external weight is mapped, not read, so only the proto's own copy is held (and, transposed, the one before it)."""
     from onnx import helper, numpy_helper
-    a = np.frombuffer(_raw(t, base), dtype=helper.tensor_dtype_to_np_dtype(t.data_type)).reshape(tuple(t.dims))
+    dtype, shape = helper.tensor_dtype_to_np_dtype(t.data_type), tuple(t.dims)
+    where = _external(t)
+    if where is None:
+        a = np.frombuffer(_raw(t, base), dtype=dtype).reshape(shape)
+    else:
+        a = np.memmap(base / where[0], dtype=dtype, mode="r", offset=where[1], shape=shape)
     if transpose:
         a = np.ascontiguousarray(a.T)
-    return numpy_helper.from_array(a, name or t.name)
+    return numpy_helper.from_array(np.asarray(a), name or t.name)
 
 
 def quantize_weight_only(src: Path, dst: Path, bits_of: Callable[[str], int | None], block_size: int) -> dict:
