@@ -2,14 +2,18 @@
 
 onnxruntime.quantization's MatMulNBitsQuantizer loads the whole fp32 graph (7.5 GB at the Qwen3.5-2B shape) and
 keeps the quantized copy beside it before saving. Here the graph is loaded without its weights; for each MatMul
-to quantize, its one weight is read from the export's external data, handed to ORT's own per-node quantizer
-(DefaultWeightOnlyQuantizer.quantize, the code MatMulNBitsQuantizer runs for every node: same kernels, same
-MatMulNBits node, same packed bytes and scales), and its outputs are appended to the new model.onnx.data at once;
-every other weight is copied across. Peak memory: one weight in fp32 and its quantized form.
+to quantize, its one weight is memory-mapped from the export's external data and handed to ORT's own block
+quantizer (DefaultWeightOnlyQuantizer.qbits_block_quant, the C++ kernels MatMulNBitsQuantizer runs for every node),
+its packed blocks and scales are appended to the new model.onnx.data at once, and the node becomes the MatMulNBits
+node ORT's quantize_matmul writes (same names, attributes and inputs: tests/test_onnx_weight_only.py checks the
+bytes against MatMulNBitsQuantizer's). Every other weight is copied across in chunks. Peak memory: the mapped pages
+of one weight and its packed form (an eighth of it at int4).
 
-Written by hand because ORT offers no streaming form of its quantizer; the quantization itself is ORT's.
+Written by hand because ORT offers no streaming form of its quantizer (its per-node quantize_matmul wants the
+weight as an in-memory TensorProto, one more full copy); the quantization itself is ORT's.
 A tied model's logits MatMul reads Transpose(embedding), which no ORT quantizer touches: it is given its own
-transposed weight, `model.lm_head.weight_T`, as onnx_quantize.untie_lm_head does in memory.
+transposed weight, `model.lm_head.weight_T` (written transposed, in chunks, to a scratch file in the output folder
+and mapped from there), as onnx_quantize.untie_lm_head does in memory.
 """
 from __future__ import annotations
 
@@ -109,19 +113,40 @@ def _raw(t, base: Path | None) -> bytes:
         return f.read(int(info["length"])) if "length" in info else f.read()
 
 
-def _loaded(t, base: Path, name: str | None = None, transpose: bool = False):
-    """An in-memory tensor proto of `t` (optionally transposed, under another name), what ORT's quantizer reads. An
-    external weight is mapped, not read, so only the proto's own copy is held (and, transposed, the one before it)."""
-    from onnx import helper, numpy_helper
+def _array(t, base: Path) -> np.ndarray:
+    """Weight `t` as a read-only array: mapped from its external data file, or over its inline bytes."""
+    from onnx import helper
     dtype, shape = helper.tensor_dtype_to_np_dtype(t.data_type), tuple(t.dims)
     where = _external(t)
     if where is None:
-        a = np.frombuffer(_raw(t, base), dtype=dtype).reshape(shape)
-    else:
-        a = np.memmap(base / where[0], dtype=dtype, mode="r", offset=where[1], shape=shape)
-    if transpose:
-        a = np.ascontiguousarray(a.T)
-    return numpy_helper.from_array(np.asarray(a), name or t.name)
+        return np.frombuffer(_raw(t, base), dtype=dtype).reshape(shape)
+    return np.memmap(base / where[0], dtype=dtype, mode="r", offset=where[1], shape=shape)
+
+
+def _transposed(t, base: Path, scratch: Path) -> np.ndarray:
+    """`t`.T written to `scratch` a block of columns at a time, mapped back: the tied head's [D, V] weight."""
+    a = _array(t, base)
+    step = max(1, CHUNK // (a.itemsize * a.shape[0]))
+    with open(scratch, "wb") as f:
+        for c in range(0, a.shape[1], step):
+            f.write(np.ascontiguousarray(a[:, c:c + step].T).tobytes())
+    del a
+    return np.memmap(scratch, dtype=np.float32, mode="r", shape=(t.dims[1], t.dims[0]))
+
+
+def _matmul_nbits(node, b_name: str, w: np.ndarray, quantizer, writer: "_DataWriter", bits: int, block_size: int):
+    """(MatMulNBits node, its weight protos) for MatMul `node` with weight `w` [K, N], as ORT's quantize_matmul
+    builds them for a 2-D weight in QOperator form, symmetric (so no zero points)."""
+    from onnx import helper, numpy_helper
+    packed, scales, _zero_points = quantizer.qbits_block_quant(w)
+    protos = [writer.put(numpy_helper.from_array(packed, f"{b_name}_Q{bits}")),
+              writer.put(numpy_helper.from_array(scales, f"{b_name}_scales"))]
+    k, n = w.shape
+    qnode = helper.make_node("MatMulNBits", inputs=[node.input[0], protos[0].name, protos[1].name],
+                             outputs=[node.output[0]], name=node.name + f"_Q{bits}" if node.name else "",
+                             domain="com.microsoft", K=k, N=n, bits=bits, block_size=block_size,
+                             accuracy_level=quantizer.config.accuracy_level)
+    return qnode, protos
 
 
 def quantize_weight_only(src: Path, dst: Path, bits_of: Callable[[str], int | None], block_size: int) -> dict:
@@ -129,6 +154,7 @@ def quantize_weight_only(src: Path, dst: Path, bits_of: Callable[[str], int | No
     weight for which bits_of(node name) gives 4 or 8 becomes ORT's MatMulNBits (symmetric, accuracy_level 4, as
     onnx_quantize's recipes); None leaves it float. Returns counts of the MatMuls by bits."""
     import onnx
+    from onnx import numpy_helper
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
 
     base = src.parent
@@ -141,30 +167,31 @@ def quantize_weight_only(src: Path, dst: Path, bits_of: Callable[[str], int | No
     writer = _DataWriter(dst.parent / EXTERNAL_DATA)
     counts = {4: 0, 8: 0, None: 0}
     new_nodes, new_inits = [], []
+    scratch = dst.parent / ".untied-lm-head.bin"  # in the fresh output folder; removed below
     try:
         for node in track(list(graph.node), f"quantizing {src.parent.name}", total=len(graph.node), memory=True):
             if untie and node.op_type == "Transpose" and node.output[0] == untie[1]:
                 continue  # its MatMul reads the untied weight instead
             b_name = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
             tied = untie is not None and b_name == untie[1]
-            if b_name is None or not (b_name in inits or tied):
-                new_nodes.append(node)
+            b = inits.get(b_name) if b_name is not None else None
+            if not tied and (b is None or len(b.dims) != 2 or b.data_type != onnx.TensorProto.FLOAT):
+                new_nodes.append(node)  # no constant 2-D fp32 weight: nothing ORT's quantizer would take either
                 continue
             bits = bits_of(node.name)
             counts[bits] += 1
             if tied:
-                node.input[1] = UNTIED
-            weight = _loaded(inits[untie[0]], base, UNTIED, transpose=True) if tied else _loaded(inits[b_name], base)
+                node.input[1] = b_name = UNTIED
+            w = _transposed(inits[untie[0]], base, scratch) if tied else _array(b, base)
             if bits is None:
                 new_nodes.append(node)
                 if tied:
-                    new_inits.append(writer.put(weight))
-                continue
-            scratch = onnx.GraphProto()
-            scratch.initializer.append(weight)
-            new_nodes.extend(quantizers[bits].quantize(node, [scratch]))
-            new_inits.extend(writer.put(t) for t in scratch.initializer[1:])
-            del scratch, weight
+                    new_inits.append(writer.put(numpy_helper.from_array(np.asarray(w), UNTIED)))
+            else:
+                qnode, protos = _matmul_nbits(node, b_name, w, quantizers[bits], writer, bits, block_size)
+                new_nodes.append(qnode)
+                new_inits.extend(protos)
+            del w
             release_freed()
         used = _inputs(new_nodes) | {o.name for o in graph.output}
         done = {t.name for t in new_inits}
@@ -173,6 +200,7 @@ def quantize_weight_only(src: Path, dst: Path, bits_of: Callable[[str], int | No
                 new_inits.append(writer.put(t, base))
     finally:
         writer.close()
+        scratch.unlink(missing_ok=True)
     graph.ClearField("node")
     graph.node.extend(new_nodes)
     graph.ClearField("initializer")
