@@ -29,6 +29,7 @@ import numpy as np
 
 from .calib_data import calibration_windows, check_ctx, data_paths
 from .errors import QuantgateError
+from .formats.hf import available_memory
 from .formats.onnx import onnx_context
 from .formats.onnx_io import INLINE_LIMIT, check_graph, onnx_bytes, read_meta, resolve_onnx, save_onnx
 from .fsio import atomic_dir, check_output
@@ -102,6 +103,22 @@ def untie_lm_head(model) -> bool:
     return False
 
 
+WHOLE_GRAPH = ("int8-dynamic", "int8-static")
+
+
+def check_whole_graph_fits(model_dir: Path, scheme: str) -> None:
+    """ORT's quantize_dynamic / quantize_static load the whole fp32 graph and build the quantized copy beside it: refuse
+    one whose export is over half the memory available (a lower bound on what they hold), before anything is read."""
+    if scheme not in WHOLE_GRAPH:
+        return
+    size, avail = onnx_bytes(model_dir), available_memory()
+    if avail is not None and 2 * size > avail:
+        raise QuantgateError(f"{model_dir}: {scheme} runs onnxruntime.quantization on the whole graph, which holds the "
+                             f"{size / 1e9:.1f} GB export and its quantized copy in memory (at least "
+                             f"{2 * size / 1e9:.1f} GB; {avail / 1e9:.1f} GB available); int4 and int8-weight quantize "
+                             f"one MatMul at a time")
+
+
 def _whole_graph(path: Path, dst: Path, work: Path, scheme: str, kept: list[str], windows) -> None:
     """int8-dynamic and int8-static: onnxruntime.quantization's own tools, which read and write the whole graph."""
     import onnx
@@ -151,6 +168,7 @@ def quantize_onnx(src: str | Path, out_dir: str | Path, scheme: str, gate_bits: 
     out_dir = Path(out_dir)
     check_output(out_dir, "onnx", (model_dir, *data_paths(calib_data if scheme == "int8-static" else None)))
 
+    check_whole_graph_fits(model_dir, scheme)
     windows = None
     if scheme == "int8-static":
         check_ctx(ctx, onnx_context(model_dir), src)

@@ -105,3 +105,18 @@ def test_external_data_in_and_out_and_every_weight_mapped_not_copied(tmp_path, m
     assert not (tmp_path / "q" / ".untied-lm-head.bin").exists()
     ours = _summary(onnx.load(str(tmp_path / "q" / "model.onnx")), tmp_path / "q")
     assert ours == _summary(_reference(src, "int4"), tmp_path / "fp32")
+
+
+def test_the_whole_graph_schemes_are_refused_where_the_export_cannot_fit(tmp_path, monkeypatch):
+    import quantgate.onnx_quantize as onnx_quantize
+    from quantgate.errors import QuantgateError
+    gate, layout, is_hybrid, tied = CASES["official-headwise"]
+    d = _save(_model(gate, is_hybrid, tied), layout, tmp_path / "ckpt", bf16=False)
+    onnx_export.export_checkpoint(d, tmp_path / "fp32")
+    monkeypatch.setattr(onnx_quantize, "available_memory", lambda: 10 ** 5)
+    for scheme in ("int8-dynamic", "int8-static"):
+        with pytest.raises(QuantgateError, match=f"{scheme} runs onnxruntime.quantization on the whole graph"):
+            onnx_quantize.quantize_onnx(tmp_path / "fp32", tmp_path / scheme, scheme)
+        assert not (tmp_path / scheme).exists()
+    summary = onnx_quantize.quantize_onnx(tmp_path / "fp32", tmp_path / "int4", "int4")  # streams: not refused
+    assert summary["bytes"] > 0
