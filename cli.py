@@ -419,7 +419,9 @@ def export_gguf_cmd(model, out, outtype, no_mtp):
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True)
 def export_onnx_cmd(model, out, opset, graph, dtype):
     """Write MODEL as an ONNX decoder with past/present key-value tensors (optimum's names, dynamic batch,
-    sequence and past lengths) that ONNX Runtime runs and optimum's ORTModelForCausalLM opens."""
+    sequence and past lengths) that ONNX Runtime runs and optimum's ORTModelForCausalLM opens. The fp32 standard
+    graph of a model directory is streamed (traced without weights, then each weight written from the safetensors
+    into model.onnx.data): its memory is set by the largest tensor, not the model."""
     import warnings
 
     from quantgate.export.onnx import export_checkpoint

@@ -1,6 +1,7 @@
 """Export to ONNX: a decoder with an explicit KV cache that ONNX Runtime runs, and optimum loads.
 
-torch.onnx.export (dynamo) traces our own model through a thin wrapper whose positional inputs are
+torch.onnx.export (dynamo) traces our own model, built on the meta device, through a thin wrapper (both in
+export/onnx_stream.py, which then writes the weights one tensor at a time) whose positional inputs are
 optimum's names: input_ids, attention_mask, position_ids, past_key_values.{i}.key/value; outputs logits
 and present.{i}.key/value. The gated twin's q and gate rows go through one fused MatMul (`qg_proj`, as
 Qwen3-Next computes them); at opset 23 SDPA becomes the ONNX `Attention` op (GQA native) and the gate a
@@ -13,13 +14,9 @@ opens the baseline and our runner opens every export.
 """
 from __future__ import annotations
 
-import copy
 import json
 import re
 from pathlib import Path
-
-import torch
-import torch.nn as nn
 
 from quantgate import __version__
 from quantgate.errors import QuantgateError
@@ -33,56 +30,14 @@ from quantgate.layouts import DEFAULT_LAYOUT_FOR_GATE, LAYOUTS
 from quantgate.model import Model
 
 from .onnx_gqa import build_gqa_graph
-from .onnx_stream import plan_bytes, trace_graph, write_weights
+from .onnx_stream import (DecoderWithPast, example_inputs, export_copy, plan_bytes, trace_graph,  # noqa: F401
+                          write_weights)
 
 # io_names (the I/O spec) lives in quantgate.formats.onnx_io; importable from here for one release
 
 OPSETS = (23, 18)
 DTYPES = ("fp32", "fp16")
 GRAPHS = ("standard", "gqa")
-
-
-class DecoderWithPast(nn.Module):
-    """(input_ids, attention_mask, position_ids, *past) -> (logits, *present), tensors only; two cache tensors per
-    layer: k and v for attention, the conv and recurrent states for a hybrid's Gated DeltaNet layers."""
-
-    def __init__(self, model: Model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask, position_ids, *past_flat):
-        L = self.model.cfg.n_layers
-        past = [(past_flat[2 * i], past_flat[2 * i + 1]) for i in range(L)]
-        out = self.model(input_ids, past=past, position_ids=position_ids, key_mask=attention_mask)
-        flat = [t for kv in out.past for t in kv]
-        return (out.logits, *flat)
-
-
-def example_inputs(cfg, batch: int = 2, seq: int = 3, past: int = 4) -> tuple:
-    """Example tensors with every dynamic dimension >= 2 (1 would be specialised by the exporter)."""
-    ids = torch.randint(3, cfg.vocab_size, (batch, seq))
-    mask = torch.ones(batch, past + seq, dtype=torch.int64)
-    pos = torch.arange(past, past + seq).expand(batch, seq).contiguous()
-    cache = []
-    for i in range(cfg.n_layers):
-        if cfg.layer_type(i) == "linear_attention":
-            cache += [torch.randn(batch, cfg.linear_conv_dim, cfg.linear_conv_kernel - 1),
-                      0.1 * torch.randn(batch, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim)]
-        else:
-            cache += [torch.randn(batch, cfg.n_kv_heads, past, cfg.head_dim) for _ in range(2)]
-    return (ids, mask, pos, *cache)
-
-
-def export_copy(model: Model) -> Model:
-    """The copy the exporter traces: q and gate in one MatMul per attention layer (qg_proj, as Qwen3-Next computes
-    them; q_proj/g_proj stay but are not traced) and every Gated DeltaNet's rule as one scan (an ONNX Scan)."""
-    m = copy.deepcopy(model).eval()
-    for layer in m.layers:
-        if layer.is_linear:
-            layer.linear_attn.export_form = True
-        else:
-            layer.self_attn.fuse_qg()
-    return m
 
 
 def trace_to_onnx(model: Model, path: Path, opset: int = 23, dtype: str = "fp32", graph_form: str = "standard") -> None:

@@ -27,8 +27,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import copy
+
 import numpy as np
 import torch
+import torch.nn as nn
 
 from quantgate.formats.onnx_io import EXTERNAL_DATA, io_names
 from quantgate.memory import release_freed
@@ -37,6 +40,49 @@ from quantgate.progress import track
 
 CHUNK_BYTES = 64 << 20  # fp32 bytes converted at a time when a large tensor is written (a vocabulary table: 2 GB)
 ALIGN = 4096  # ORT memory-maps external data whose offset is page-aligned
+
+
+class DecoderWithPast(nn.Module):
+    """(input_ids, attention_mask, position_ids, *past) -> (logits, *present), tensors only; two cache tensors per
+    layer: k and v for attention, the conv and recurrent states for a hybrid's Gated DeltaNet layers."""
+
+    def __init__(self, model: Model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids, *past_flat):
+        L = self.model.cfg.n_layers
+        past = [(past_flat[2 * i], past_flat[2 * i + 1]) for i in range(L)]
+        out = self.model(input_ids, past=past, position_ids=position_ids, key_mask=attention_mask)
+        flat = [t for kv in out.past for t in kv]
+        return (out.logits, *flat)
+
+
+def example_inputs(cfg, batch: int = 2, seq: int = 3, past: int = 4) -> tuple:
+    """Example tensors with every dynamic dimension >= 2 (1 would be specialised by the exporter)."""
+    ids = torch.randint(3, cfg.vocab_size, (batch, seq))
+    mask = torch.ones(batch, past + seq, dtype=torch.int64)
+    pos = torch.arange(past, past + seq).expand(batch, seq).contiguous()
+    cache = []
+    for i in range(cfg.n_layers):
+        if cfg.layer_type(i) == "linear_attention":
+            cache += [torch.randn(batch, cfg.linear_conv_dim, cfg.linear_conv_kernel - 1),
+                      0.1 * torch.randn(batch, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim)]
+        else:
+            cache += [torch.randn(batch, cfg.n_kv_heads, past, cfg.head_dim) for _ in range(2)]
+    return (ids, mask, pos, *cache)
+
+
+def export_copy(model: Model) -> Model:
+    """The copy the exporter traces: q and gate in one MatMul per attention layer (qg_proj, as Qwen3-Next computes
+    them; q_proj/g_proj stay but are not traced) and every Gated DeltaNet's rule as one scan (an ONNX Scan)."""
+    m = copy.deepcopy(model).eval()
+    for layer in m.layers:
+        if layer.is_linear:
+            layer.linear_attn.export_form = True
+        else:
+            layer.self_attn.fuse_qg()
+    return m
 
 
 @dataclass(frozen=True)
@@ -53,7 +99,6 @@ def trace_graph(cfg: ModelConfig, opset: int = 23):
     """(onnx_ir Model with every weight an empty initializer, [Weight] in the order they are to be written)."""
     from torch.export import Dim
 
-    from .onnx import DecoderWithPast, example_inputs, export_copy
     with torch.device("meta"):
         m = export_copy(Model(cfg).eval())
     args = tuple(a.to("meta") for a in example_inputs(cfg))
