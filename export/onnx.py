@@ -60,7 +60,8 @@ def trace_to_onnx(model: Model, path: Path, opset: int = 23, dtype: str = "fp32"
 def write_onnx(cfg, weights, path: Path, opset: int = 23, dtype: str = "fp32") -> None:
     """The decoder of `cfg` traced on the meta device, its weights written from `weights` (our parameter names ->
     tensors of any float dtype: a state dict, or a checkpoint's CheckpointWeights) one at a time into
-    model.onnx.data beside `path` (export/onnx_stream.py). Weights of 1 GiB or less are then folded into
+    model.onnx.data beside `path`, in a folder this call owns (export_onnx's fresh temporary one: the data file it
+    writes there is replaced, and removed again when folded in) (export/onnx_stream.py). Weights of 1 GiB or less are then folded into
     model.onnx itself, and fp16 is converted from the fp32 file (both in memory, which their size allows)."""
     import onnx
     import onnx_ir as ir
