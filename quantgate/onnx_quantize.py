@@ -33,7 +33,7 @@ from .formats.hf import available_memory
 from .formats.onnx import onnx_context
 from .formats.onnx_io import INLINE_LIMIT, check_graph, onnx_bytes, read_meta, resolve_onnx, save_onnx
 from .fsio import atomic_dir, check_output
-from .onnx_weight_only import quantize_weight_only
+from .onnx_weight_only import UNTIED, quantize_weight_only, tied_head
 from .quant.schemes import ONNX_SCHEMES, with_gate_bits
 from .runners import OrtRunner
 from .tokenizer import load_tokenizer
@@ -88,19 +88,17 @@ def untie_lm_head(model) -> bool:
     table (one row per token). Returns whether the graph changed."""
     from onnx import numpy_helper
     inits = {t.name: t for t in model.graph.initializer}
+    tied = tied_head(model.graph, inits)
+    if tied is None:
+        return False
+    w = numpy_helper.to_array(inits[tied[0]]).T
+    model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w), UNTIED))
     for n in list(model.graph.node):
-        if n.op_type != "Transpose" or n.input[0] not in inits:
-            continue
-        users = [m for m in model.graph.node if n.output[0] in m.input]
-        if not users or any(m.op_type != "MatMul" or "lm_head" not in m.name for m in users):
-            continue
-        w = numpy_helper.to_array(inits[n.input[0]]).T
-        model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w), "model.lm_head.weight_T"))
-        for m in users:
-            m.input[:] = ["model.lm_head.weight_T" if x == n.output[0] else x for x in m.input]
-        model.graph.node.remove(n)
-        return True
-    return False
+        if n.op_type == "Transpose" and n.output[0] == tied[1]:
+            model.graph.node.remove(n)
+        else:
+            n.input[:] = [UNTIED if x == tied[1] else x for x in n.input]
+    return True
 
 
 WHOLE_GRAPH = ("int8-dynamic", "int8-static")

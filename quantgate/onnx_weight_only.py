@@ -36,7 +36,7 @@ class _DataWriter:
     """Appends tensors to one external-data file and returns protos that point into it."""
 
     def __init__(self, path: Path):
-        self.path, self.f, self.offset = path, open(path, "wb"), 0
+        self.f, self.offset = open(path, "wb"), 0
 
     def put(self, t, base: Path | None = None):
         """A proto of `t` (read from `base`'s external data when it lives there): inline if tiny, else appended,
@@ -101,16 +101,11 @@ def _chunks(path: Path, offset: int, length: int):
 
 def _raw(t, base: Path | None) -> bytes:
     """The bytes of tensor proto `t`, read from its external data file when it has one."""
-    import onnx
-    if t.data_location != onnx.TensorProto.EXTERNAL:
-        if t.raw_data:
-            return t.raw_data
-        from onnx import numpy_helper
-        return numpy_helper.to_array(t).tobytes()
-    info = {e.key: e.value for e in t.external_data}
-    with open(base / info["location"], "rb") as f:
-        f.seek(int(info.get("offset", 0)))
-        return f.read(int(info["length"])) if "length" in info else f.read()
+    from onnx import numpy_helper
+    where = _external(t)
+    if where is not None:
+        return b"".join(_chunks(base / where[0], where[1], where[2]))
+    return t.raw_data or numpy_helper.to_array(t, str(base or "")).tobytes()
 
 
 def _array(t, base: Path) -> np.ndarray:
@@ -163,7 +158,7 @@ def quantize_weight_only(src: Path, dst: Path, bits_of: Callable[[str], int | No
     inits = {t.name: t for t in graph.initializer}
     quantizers = {b: DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
         block_size=block_size, is_symmetric=True, accuracy_level=4, bits=b)) for b in (4, 8)}
-    untie = _tied_head(graph, inits)
+    untie = tied_head(graph, inits)
     writer = _DataWriter(dst.parent / EXTERNAL_DATA)
     counts = {4: 0, 8: 0, None: 0}
     new_nodes, new_inits = [], []
@@ -215,8 +210,9 @@ def quantize_weight_only(src: Path, dst: Path, bits_of: Callable[[str], int | No
     return {"int4": counts[4], "int8": counts[8], "float": counts[None]}
 
 
-def _tied_head(graph, inits) -> tuple[str, str] | None:
-    """(embedding initializer, Transpose output) when the logits MatMul reads a transposed initializer."""
+def tied_head(graph, inits) -> tuple[str, str] | None:
+    """(embedding initializer, Transpose output) when the logits MatMul reads a transposed initializer: a tied
+    model's head, which no onnxruntime quantizer touches (its B is not an initializer)."""
     for n in graph.node:
         if n.op_type != "Transpose" or n.input[0] not in inits:
             continue
