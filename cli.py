@@ -166,6 +166,17 @@ SEED = click.IntRange(0, 2 ** 32 - 1)
 THREADS = click.IntRange(1, 1024)
 
 
+class Finite(click.FloatRange):
+    """click's FloatRange, which lets nan through (every comparison with nan is false): a finite number in range."""
+
+    def convert(self, value, param, ctx):
+        import math
+        v = super().convert(value, param, ctx)
+        if not math.isfinite(v):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return v
+
+
 class Device(click.ParamType):
     """cpu, cuda or cuda:N (and auto where the command can choose): checked here, before any work."""
     name = "device"
@@ -214,10 +225,10 @@ DATA_HELP = ("text source: 'embedded' (the Python standard library's sources, al
 @click.option("--batch-size", type=click.IntRange(1, 1 << 16), default=8, show_default=True,
               help="global batch (split over torchrun ranks)")
 @click.option("--ctx", type=CTX, default=256, show_default=True, help="window length in tokens, BOS included")
-@click.option("--lr", type=click.FloatRange(0, 10, min_open=True), default=3e-3, show_default=True)
+@click.option("--lr", type=Finite(0, 10, min_open=True), default=3e-3, show_default=True)
 @click.option("--warmup", type=click.IntRange(0, 1 << 30), default=100, show_default=True)
-@click.option("--weight-decay", type=click.FloatRange(0, 10), default=0.1, show_default=True)
-@click.option("--grad-clip", type=click.FloatRange(0, 1e6, min_open=True), default=1.0, show_default=True)
+@click.option("--weight-decay", type=Finite(0, 10), default=0.1, show_default=True)
+@click.option("--grad-clip", type=Finite(0, 1e6, min_open=True), default=1.0, show_default=True)
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--seeds", type=click.IntRange(1, 100), default=1, show_default=True,
               help="with --twins: train this many twin pairs, seeds SEED..SEED+N-1, into OUT/seed-K/ (for `report` "
@@ -344,8 +355,11 @@ def _print_schemes(backend: str | None, as_json: bool) -> None:
 @click.option("--ctx", type=CTX, default=256, show_default=True)
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--threads", type=THREADS, default=None, help="llama.cpp quantizer threads")
+@click.option("--layerwise", is_flag=True, default=None,
+              help="torch: run the model one decoder block at a time and write the output as it goes (what a model "
+                   "too large for memory gets anyway); the same file, one block's weights resident")
 def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, imatrix, gate_bits, out, calib_data,
-             calib_windows, ctx, seed, threads):
+             calib_windows, ctx, seed, threads, layerwise):
     """Quantize MODEL: a model directory under a named PyTorch scheme (writes a loadable checkpoint that
     records the scheme), a .gguf with llama.cpp's own quantizer (--type), or an ONNX export with
     onnxruntime.quantization (--scheme int8-dynamic|int8-static|int8-weight|int4). Every scheme is a row of
@@ -383,7 +397,8 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
         if qtype or imatrix or gate_bits:
             raise QuantgateError("--type, --imatrix and --gate-bits apply to GGUF files (llama.cpp)")
         sch = quant.get("torch", scheme, "scheme")
-    _emit(quantize(model, sch, out, CalibSettings(calib_data, calib_windows, ctx, seed), threads), as_json)
+    _emit(quantize(model, sch, out, CalibSettings(calib_data, calib_windows, ctx, seed), threads, layerwise or None),
+          as_json)
 
 
 @main.group()
@@ -435,7 +450,7 @@ def export_onnx_cmd(model, out, opset, graph, dtype):
 @click.option("--prompt", required=True, help="text to continue (BOS is put in front)")
 @click.option("--max-tokens", type=COUNT, default=64, show_default=True,
               help="at most this many new tokens (fewer when the model's context fills up)")
-@click.option("--temperature", type=click.FloatRange(0, 100), default=0.0, show_default=True, help="0: greedy")
+@click.option("--temperature", type=Finite(0, 100), default=0.0, show_default=True, help="0: greedy")
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--kv-type", type=click.Choice(["f32", "f16", "q8_0", "q4_0", "int8", "int4"]), default="f16",
               show_default=True, help="KV-cache type: llama.cpp's f32, f16, q8_0, q4_0 for a GGUF; int8/int4 (k and v "

@@ -18,6 +18,7 @@ class TokenStream:
     bos_id: int
     source: str
     fingerprint: str
+    starts: np.ndarray | None = None  # offset in `ids` where each text begins (its document, for the bootstrap)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -28,7 +29,8 @@ def tokenize_corpus(corpus: Corpus, tokenizer) -> TokenStream:
         raise QuantgateError(f"{corpus.source}: no documents to tokenize")
     encoded = tokenizer.encode_batch(corpus.texts())
     parts = [np.asarray(([tokenizer.eos_id] if i else []) + e, dtype=np.int64) for i, e in enumerate(encoded)]
-    return TokenStream(np.concatenate(parts), tokenizer.bos_id, corpus.source, corpus.fingerprint)
+    starts = np.cumsum([0] + [len(p) for p in parts[:-1]]).astype(np.int64)
+    return TokenStream(np.concatenate(parts), tokenizer.bos_id, corpus.source, corpus.fingerprint, starts)
 
 
 def sample_windows(stream: TokenStream, n: int, T: int, seed: int) -> np.ndarray:
@@ -37,15 +39,24 @@ def sample_windows(stream: TokenStream, n: int, T: int, seed: int) -> np.ndarray
     The same (stream, n, T, seed) always gives the same windows: training derives its per-step seed
     from (run seed, step), which is what makes `--resume` and twin training see identical batches.
     """
+    span = T - 1
+    out = np.empty((n, T), dtype=np.int64) if n > 0 else None
+    for row, s in enumerate(_starts(stream, n, T, seed)):
+        out[row, 1:] = stream.ids[s:s + span]
+    out[:, 0] = stream.bos_id
+    return out
+
+
+def _starts(stream: TokenStream, n: int, T: int, seed: int) -> np.ndarray:
     if n <= 0:
         raise QuantgateError("the number of calibration windows must be positive")
-    span = T - 1
-    if len(stream) < span + 1:
+    if len(stream) < T:
         raise QuantgateError(f"{stream.source}: {len(stream)} tokens is too short for one window of {T}")
-    rng = np.random.default_rng(seed)
-    starts = rng.integers(0, len(stream) - span + 1, size=n)
-    out = np.empty((n, T), dtype=np.int64)
-    out[:, 0] = stream.bos_id
-    for row, s in enumerate(starts):
-        out[row, 1:] = stream.ids[s:s + span]
-    return out
+    return np.random.default_rng(seed).integers(0, len(stream) - (T - 1) + 1, size=n)
+
+
+def sampled_documents(stream: TokenStream, n: int, T: int, seed: int) -> np.ndarray:
+    """The text (document) each of sample_windows(stream, n, T, seed)'s windows starts in: the units an analysis'
+    intervals resample (quantgate.stats)."""
+    starts = stream.starts if stream.starts is not None else np.zeros(1, dtype=np.int64)
+    return np.searchsorted(starts, _starts(stream, n, T, seed), side="right") - 1

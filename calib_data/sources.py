@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from quantgate.errors import QuantgateError
+from quantgate.fsio import read_bounded
 
 from .documents import Corpus, Document
 from .embedded import stdlib_documents
@@ -68,12 +69,13 @@ def data_paths(spec: str | Path | None) -> list[Path]:
     return []
 
 
-def read_text_file(path: Path) -> str:
-    """Strict UTF-8 read with one clear error line for binary, non-UTF-8 and empty files."""
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise QuantgateError(f"cannot read {path}: {e.strerror}") from None
+MAX_TEXT_BYTES = 1 << 30  # one text file held in memory as a str (and tokenized whole): 1 GiB is far past any corpus here
+
+
+def read_text_file(path: Path, limit: int = MAX_TEXT_BYTES) -> str:
+    """Strict UTF-8 read of a regular file of at most `limit` bytes (fsio.read_bounded: no device or pipe), with
+    one clear error line for binary, non-UTF-8 and empty files."""
+    raw = read_bounded(path, limit)
     if b"\0" in raw[:1 << 20]:
         raise QuantgateError(f"{path} looks binary (NUL bytes), not text")
     try:

@@ -44,16 +44,30 @@ def eval_windows(ids: np.ndarray, ctx: int, bos_id: int, max_windows: int | None
     text holds, that many windows evenly spaced over the whole text (in order), not the first ones: the first N
     windows come from the first few files, and benchmarks/results/interval_width.json shows such a prefix moving
     the twins' KLD ratio past its own bootstrap interval as more files come in."""
+    rows = _window_rows(len(ids), ctx, max_windows)
+    span = ctx - 1
+    body = np.asarray(ids[: (rows.max() + 1) * span], dtype=np.int64).reshape(-1, span)[rows]
+    return np.concatenate([np.full((len(body), 1), bos_id, dtype=np.int64), body], axis=1)
+
+
+def _window_rows(n_tokens: int, ctx: int, max_windows: int | None) -> np.ndarray:
+    """Which of the text's consecutive ctx-1 token spans eval_windows keeps, in text order."""
     if ctx < 2:
         raise QuantgateError(f"--ctx must be at least 2, got {ctx}")
-    span = ctx - 1
-    n = len(ids) // span
+    n = n_tokens // (ctx - 1)
     if n == 0:
-        raise QuantgateError(f"the evaluation text has {len(ids)} tokens, too short for one window of {ctx}")
-    body = np.asarray(ids[: n * span], dtype=np.int64).reshape(n, span)
+        raise QuantgateError(f"the evaluation text has {n_tokens} tokens, too short for one window of {ctx}")
     if max_windows is not None and max_windows < n:
-        body = body[np.linspace(0, n - 1, max_windows).round().astype(np.int64)]
-    return np.concatenate([np.full((len(body), 1), bos_id, dtype=np.int64), body], axis=1)
+        return np.linspace(0, n - 1, max_windows).round().astype(np.int64)
+    return np.arange(n, dtype=np.int64)
+
+
+def window_documents(stream, ctx: int, max_windows: int | None = None) -> np.ndarray:
+    """The text (document) each of eval_windows(stream.ids, ctx, ...)'s windows starts in: the units the report's
+    bootstrap resamples (quantgate.stats), since windows of one file are not independent."""
+    rows = _window_rows(len(stream.ids), ctx, max_windows)
+    starts = stream.starts if stream.starts is not None else np.zeros(1, dtype=np.int64)
+    return np.searchsorted(starts, rows * (ctx - 1), side="right") - 1
 
 
 def check_ctx(ctx: int, context: int, model_path) -> None:

@@ -31,7 +31,7 @@ from quantgate.formats.gguf_layout import (BLOCK_TENSORS, GGUF_ARCHS, GLOBAL_TEN
                                            rope_sections)
 from quantgate.formats.hf import STORED_DTYPES, available_memory, open_hf
 from quantgate.fsio import atomic_path, check_output
-from quantgate.model import Model, ModelConfig
+from quantgate.model import Model, ModelConfig, without_attention
 from quantgate.progress import track
 from quantgate.tokenizer import Tokenizer
 
@@ -263,6 +263,9 @@ def write_gguf(cfg: ModelConfig, sd: Mapping, meta_sd: Mapping, tokenizer: Token
         raise QuantgateError("the model has no tokenizer.json: a GGUF must embed its tokenizer")
     if not cfg.qk_norm:
         raise QuantgateError("llama.cpp's qwen3/qwen35 graphs always apply QK-norm; models without it cannot be exported")
+    why = without_attention(cfg)
+    if why:
+        raise QuantgateError(why)
     arch = arch_of(cfg)
     why = arch.cannot_hold(cfg)
     if why:
@@ -335,6 +338,11 @@ def write_gguf(cfg: ModelConfig, sd: Mapping, meta_sd: Mapping, tokenizer: Token
             w.write_tensor_data(_data(t, kind, tname))
             del t
         w.close()
+        try:  # quantgate's own reader must take what it wrote; a file it refuses is never committed
+            inspect_gguf(tmp)
+        except QuantgateError as e:
+            raise QuantgateError(f"{str(e).replace(str(tmp), str(out))} (the written file failed quantgate's own "
+                                 f"check; nothing was kept)") from None
     return out
 
 

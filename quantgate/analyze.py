@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .calib_data import check_ctx, data_paths, default_split, load_corpus, sample_windows, tokenize_corpus
+from .calib_data import (check_ctx, data_paths, default_split, load_corpus, sample_windows, sampled_documents,
+                         tokenize_corpus)
 from .errors import QuantgateError
 from .formats import artifact_kind, load_checkpoint
 from .formats.hf import open_hf
@@ -41,10 +42,12 @@ def analyze(model_path: str, data: str = "embedded", ctx: int = 256, n_windows: 
     corpus = load_corpus(data).split(split)
     if not corpus.documents:
         raise QuantgateError(f"{data}: the {split} split is empty")
-    windows = sample_windows(tokenize_corpus(corpus, tok), n_windows, ctx, seed)
+    stream = tokenize_corpus(corpus, tok)
+    windows = sample_windows(stream, n_windows, ctx, seed)
     rep = analyze_layerwise(lw, windows) if lw is not None else analyze_model(loaded.model, windows)
     rep.update(model=str(model_path), gate=cfg.gate, layout=layout, data=str(data), layerwise=lw is not None,
                split=split, seed=seed, corpus_fingerprint=corpus.fingerprint,
+               window_docs=sampled_documents(stream, n_windows, ctx, seed).tolist(),  # the bootstrap's units
                windows_id=hashlib.sha256(windows.tobytes()).hexdigest()[:16])  # two twins' windows pair when equal
     return rep
 

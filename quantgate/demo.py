@@ -19,7 +19,7 @@ from rich.table import Table
 from .analyze import run_analyze
 from .errors import QuantgateError
 from .evaluate import evaluate_model
-from .fsio import check_output, claim_folder, read_marker, signals_held, write_json
+from .fsio import check_output, claim_folder, proven_ours, signals_held, write_json
 from .generate import generate
 from .progress import console
 from .report import ReportSettings, run_report, run_seeds_report
@@ -66,6 +66,8 @@ TRAINED = ("state", "baseline", "gated")  # what the train stage writes into the
 # held-out windows per report cell: half the report's default, to fit 20 minutes (benchmarks/results/
 # interval_width.json: the twins' KLD-ratio interval is 1.3-1.6x wider at 32 windows than at 64)
 DEMO_WINDOWS = 32
+DEMO_EVAL_WINDOWS = 64  # held-out windows of the demo's perplexity table (per twin)
+FAST_WINDOWS = 16       # both, under --fast (the fewest that give an interval: quantgate.stats.MIN_UNITS)
 
 # The sink lab (`quantgate demo --lab sinks`): twins trained on Guo et al.'s Bigram-Backcopy task
 # (calib_data.synthetic), whose small transformers grow attention sinks; recipe from benchmarks/sink_lab_recipe.py.
@@ -111,10 +113,10 @@ def _retire(out: Path) -> None:
     """Remove the train stage's earlier outputs (quantgate's own, checked) before training other settings."""
     for n in TRAINED:
         p = out / n
-        ours = (p / "run.json").is_file() if n == "state" else (read_marker(p) or {}).get("artifact") == "checkpoint"
-        if os.path.lexists(p) and not ours:
-            raise QuantgateError(f"{p} was not written by quantgate's train stage; move it away or choose another "
-                                 f"--out")
+        why = proven_ours(p) if os.path.lexists(p) else None
+        if why:
+            raise QuantgateError(f"{p} was not written by quantgate's train stage ({why}); move it away or choose "
+                                 f"another --out")
     trash = Path(tempfile.mkdtemp(prefix=".retired.", suffix=".tmp", dir=out))
     with signals_held():
         for n in TRAINED:
@@ -158,7 +160,7 @@ def run_demo(out: str | Path, fast: bool = False, gate: str = "elementwise", thr
     console.print(f"train: {stages['train_s']:.0f} s")
 
     t = time.time()
-    n_windows = eval_windows or (16 if fast else 64)
+    n_windows = eval_windows or (FAST_WINDOWS if fast else DEMO_EVAL_WINDOWS)
     evals = {k: evaluate_model(str(p), "embedded", ctx=tc.ctx, split="test", max_windows=n_windows)
              for k, p in models.items()}
     stages["eval_s"] = round(time.time() - t, 1)
@@ -186,7 +188,7 @@ def run_demo(out: str | Path, fast: bool = False, gate: str = "elementwise", thr
     note = recipe_note("fast" if fast else "full", recipe)
     rep = run_report(ReportSettings(str(models["baseline"]), str(models["gated"]), str(out / "report"),
                                     schemes={k: list(v) for k, v in DEMO_SCHEMES.items()},
-                                    windows=16 if fast else DEMO_WINDOWS, ctx=tc.ctx, calib_windows=8 if fast else 16,
+                                    windows=FAST_WINDOWS if fast else DEMO_WINDOWS, ctx=tc.ctx, calib_windows=8 if fast else 16,
                                     analysis_windows=16 if fast else 32, threads=threads, recipe_note=note))
     stages["report_s"] = round(time.time() - t, 1)
     for line in rep["conclusion"]:

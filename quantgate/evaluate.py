@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .calib_data import check_ctx, default_split, eval_windows, load_corpus, tokenize_corpus
+from .calib_data import check_ctx, default_split, eval_windows, load_corpus, tokenize_corpus, window_documents
 from .errors import QuantgateError
 from .formats import artifact_kind, load_checkpoint
 from .formats.gguf import check_finite_weights, inspect_gguf, open_reader, tokenizer_from_gguf
@@ -145,7 +145,8 @@ def open_model(model_path: str, device: str = "cpu", torchao: str | None = None,
         check_finite_weights(model_path)
         tok = tokenizer_from_gguf(open_reader(model_path))
         runner = LlamaRunner(model_path, n_ctx=ctx, kv_type=kv_type, threads=threads, device=device)
-        return runner, tok, f"llama.cpp:{runner.info.file_type}", {"kv_type": kv_type, "gguf_bytes": runner.info.n_bytes}
+        return runner, tok, f"llama.cpp:{runner.info.file_type}", {"kv_type": kv_type, "gguf_bytes": runner.info.n_bytes,
+                                                                  "kv_rotation": runner.kv_rotation["reading"]}
     if kind == "onnx":
         if torchao:
             raise QuantgateError("--torchao applies to PyTorch model directories, not ONNX exports")
@@ -163,17 +164,19 @@ def open_model(model_path: str, device: str = "cpu", torchao: str | None = None,
                                                       **_kv_record(kv_type)}
     kv_bits = kv_bits_for(kv_type, "PyTorch")
     if layerwise and (torchao or kv_bits):
-        raise QuantgateError("--layerwise runs the float model block by block; it does not combine with --torchao or "
-                             "a rounded --kv-type")
+        raise QuantgateError("--layerwise runs the model block by block as its directory holds it; it does not combine "
+                             "with --torchao or a rounded --kv-type")
     if layerwise is not False and not torchao and not kv_bits:
         ckpt = open_hf(model_path, must_fit_block_by_block=True)
-        if layerwise or (needs_layerwise(ckpt.cfg) and "quant_scheme" not in ckpt.cfg.extra):
+        if layerwise or needs_layerwise(ckpt.cfg):
             if ckpt.tokenizer is None:
                 raise QuantgateError(f"{model_path}: no tokenizer.json, cannot tokenize evaluation text")
             if device != "cpu":
                 raise QuantgateError(f"{model_path}: too large for memory, it is run layer by layer, on the CPU only")
             check_ctx(ctx, ckpt.cfg.max_seq_len, model_path)
-            return LayerwiseRunner(ckpt), ckpt.tokenizer, "torch (layer by layer)", {}
+            runner = LayerwiseRunner(ckpt)
+            kv = runner.lw.kv_bits
+            return runner, ckpt.tokenizer, "torch (layer by layer)", _kv_record(f"int{kv}") if kv else {}
     loaded = load_checkpoint(model_path)
     if loaded.tokenizer is None:
         raise QuantgateError(f"{model_path}: no tokenizer.json, cannot tokenize evaluation text")
@@ -209,7 +212,7 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
         out = {"model": str(model_path), "backend": backend, "device": device, "data": str(data), "split": split,
                "corpus_fingerprint": corpus.fingerprint}
         if "kv_type" in extra:
-            out.update(kv_type=extra["kv_type"], file_bytes=extra["gguf_bytes"])
+            out.update(kv_type=extra["kv_type"], file_bytes=extra["gguf_bytes"], kv_rotation=extra["kv_rotation"])
         if "onnx_bytes" in extra:
             out.update(file_bytes=extra["onnx_bytes"])
         if "kv_cache" in extra:
@@ -218,11 +221,15 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
             return {**out, **perplexity(runner, windows).to_dict()}
         ref_cfg, ref_tok = reference_header(reference)
         check_ctx(ctx, ref_cfg.max_seq_len, reference)
+        if runner.vocab_size and runner.vocab_size != ref_cfg.vocab_size:
+            raise QuantgateError(f"{reference} has a vocabulary of {ref_cfg.vocab_size} and {model_path} of "
+                                 f"{runner.vocab_size}: KL divergence compares two distributions over one vocabulary")
         sample = corpus.documents[0].text[:20000]
         if ref_tok is not None and not tokenizers_match(ref_tok, tok, sample):
             raise QuantgateError(f"{reference} and {model_path} use different tokenizers: their logits do not compare")
         ref_logits = reference_logits(reference, windows, f"{corpus.fingerprint}|{split}|{ctx}")
-        result = {**out, "reference": str(reference), **compare_to_reference(runner, ref_logits, windows)}
+        docs = window_documents(stream, ctx, max_windows)
+        result = {**out, "reference": str(reference), **compare_to_reference(runner, ref_logits, windows, docs=docs)}
     finally:
         if hasattr(runner, "close"):
             runner.close()
@@ -244,9 +251,11 @@ def reference_header(reference: str):
     return ref.model.cfg, ref.tokenizer
 
 
-def compare_to_reference(runner: Runner, ref_logits: np.ndarray, windows: np.ndarray, batch: int = 4) -> dict:
+def compare_to_reference(runner: Runner, ref_logits: np.ndarray, windows: np.ndarray, batch: int = 4,
+                         docs: np.ndarray | None = None) -> dict:
     """Perplexity of `runner` and of the reference logits on the same windows, with per-position KL
-    divergence KL(P_ref || P_runner) (mean, p99, max) and top-1 agreement."""
+    divergence KL(P_ref || P_runner) (mean, p99, max) and top-1 agreement. `docs`: the document each window comes
+    from, which the intervals resample (quantgate.stats); without it, windows are resampled one by one."""
     nll, ref_nll, kld, top1 = [], [], [], []
     for i, lg in track(iter_logits(runner, windows, batch), f"eval {runner.name} vs reference",
                        total=-(-len(windows) // batch)):
@@ -262,6 +271,8 @@ def compare_to_reference(runner: Runner, ref_logits: np.ndarray, windows: np.nda
     summary = {k: v for k, v in kld_summary(kld, top1).items() if k != "positions"}  # n_tokens says it
     per_window = {k: a.reshape(len(windows), -1).mean(axis=1).tolist()
                   for k, a in (("kld", kld), ("nll", nll), ("ref_nll", ref_nll), ("top1", top1.astype(np.float64)))}
+    if docs is not None:
+        per_window["doc"] = [int(d) for d in docs]
     return {"ppl": ppl, "mean_nll": float(nll.mean()), "n_tokens": int(nll.size), "n_windows": len(windows),
             "ctx": int(windows.shape[1]), "reference_ppl": ref_ppl, "delta_ppl": ppl - ref_ppl,
             "delta_ppl_pct": 100 * (ppl / ref_ppl - 1), **summary, **cell_intervals(per_window),

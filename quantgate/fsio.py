@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import re
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 from pathlib import Path
@@ -57,13 +59,33 @@ DEFAULT_FILES = {
 }
 
 
-def read_json(path: Path | str):
-    """Parse a JSON file a user handed us: one error line for an unreadable, non-UTF-8, malformed or
-    absurdly nested file (json raises ValueError or RecursionError for those)."""
+MAX_JSON_BYTES = 1 << 28  # a config, tokenizer or index file: Qwen3.5's tokenizer.json is 12 MB
+
+
+def read_bounded(path: Path | str, limit: int) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes. A device, pipe or socket (/dev/zero, a FIFO: reads
+    that never end or never return) and an oversize file get one error line before anything is read."""
+    path = Path(path)
     try:
-        raw = Path(path).read_bytes()
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise QuantgateError(f"{path} is not a regular file (a device, pipe or socket); quantgate reads files")
+        if st.st_size > limit:
+            raise QuantgateError(f"{path} is {st.st_size / 2**20:.0f} MiB, more than the {limit / 2**20:.0f} MiB "
+                                 f"quantgate reads from such a file")
+        with open(path, "rb") as f:
+            raw = f.read(limit + 1)  # bounded even if the file grows while it is read
     except OSError as e:
         raise QuantgateError(f"cannot read {path}: {e.strerror}") from None
+    if len(raw) > limit:
+        raise QuantgateError(f"{path} grew past {limit / 2**20:.0f} MiB while it was read")
+    return raw
+
+
+def read_json(path: Path | str, limit: int = MAX_JSON_BYTES):
+    """Parse a JSON file a user handed us: one error line for an unreadable, oversize, non-regular, non-UTF-8,
+    malformed or absurdly nested file (json raises ValueError or RecursionError for those)."""
+    raw = read_bounded(path, limit)
     try:
         return json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:
@@ -100,10 +122,7 @@ def read_marker(folder: Path) -> dict | None:
         return {"artifact": "run"}
     if (folder / "cells").is_dir() and (folder / "report.json").is_file():
         return {"artifact": "report"}
-    names = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
-    if names and names <= PLOT_FILES:
-        return {"artifact": "plots"}
-    return None
+    return None  # a folder of PNGs named like quantgate's plots is not proof: only a marker makes a plots folder
 
 
 def _own_file(path: Path, kind: str) -> bool:
@@ -125,12 +144,103 @@ def _own_file(path: Path, kind: str) -> bool:
     return isinstance(d, dict) and d.get("quantgate_artifact") == kind
 
 
+# --- proof that quantgate wrote a file: the content hashes it recorded --------------------------------------
+#
+# A marker's name list alone proves nothing (a user may have put a file of that name there, or edited one). Each
+# artifact written whole records the sha256 of every file it holds in its own marker; each file committed inside
+# a container (run, report, demo, plots, seeds) is recorded in the nearest container's marker. A path is replaced
+# or removed only when every file in it is recorded there with the content it has now.
+
+HASHES = "sha256"  # the marker's {relative path: hex digest} table
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+def _container_of(path: Path) -> Path | None:
+    """The nearest folder above `path` marked as a container (run, report, demo, plots, seeds), or None."""
+    for folder in Path(os.path.abspath(path)).parents:
+        f = folder / MARKER
+        if f.is_file():
+            mark = read_marker(folder)
+            return folder if mark and mark["artifact"] in CONTAINERS else None
+    return None
+
+
+def _recorded(container: Path) -> dict:
+    d = read_marker(container) or {}
+    return d.get(HASHES) if isinstance(d.get(HASHES), dict) else {}
+
+
+def _unproven(path: Path, table: dict, root: Path) -> str | None:
+    """The first file under `path` (itself, or inside a folder) whose content is not what `table` (paths relative
+    to `root`) recorded, or that is not a plain file or folder; None when all of them are."""
+    if os.path.islink(path):
+        return str(path.relative_to(root))
+    if path.is_dir():
+        for p in sorted(path.iterdir()):
+            if p.name == MARKER and p.parent == root:
+                continue
+            bad = _unproven(p, table, root)
+            if bad:
+                return bad
+        return None
+    rel = path.relative_to(root).as_posix()
+    if not path.is_file() or rel not in table or sha256_file(path) != table[rel]:
+        return rel
+    return None
+
+
+def proven_ours(path: Path) -> str | None:
+    """None when quantgate provably wrote everything at `path` (a file or folder inside one of its containers, or an
+    artifact folder with its own recorded hashes); else what is not proven, as a reason."""
+    path = Path(path)
+    if os.path.islink(path):
+        return f"{path} is a symbolic link, which quantgate does not write"
+    own = read_marker(path) if path.is_dir() and (path / MARKER).is_file() else None
+    if own and own["artifact"] not in CONTAINERS:
+        table = own.get(HASHES) if isinstance(own.get(HASHES), dict) else {}
+        bad = _unproven(path, table, path)
+        return None if bad is None else f"{path / bad} is not what quantgate wrote there"
+    container = _container_of(path)
+    if container is None:
+        return f"{path} lies in no folder quantgate marked as its own"
+    bad = _unproven(path, _recorded(container), container)
+    return None if bad is None else f"{container / bad} is not a file quantgate wrote (or it changed since)"
+
+
+def _record(path: Path, digest: str | None = None) -> None:
+    """Record the file just committed at `path` in its container's marker (nothing outside a container)."""
+    if path.name == MARKER:
+        return
+    container = _container_of(path)
+    if container is None:
+        return
+    rel = Path(os.path.abspath(path)).relative_to(container)
+    if any(part.startswith(".") and part.endswith(".tmp") for part in rel.parts):
+        return  # inside a folder still being written (atomic_dir): its own marker will hold the hashes
+    f = container / MARKER
+    d = json.loads(f.read_text())
+    table = d.get(HASHES) if isinstance(d.get(HASHES), dict) else {}
+    table[rel.as_posix()] = digest or sha256_file(path)
+    d[HASHES] = table
+    tmp = f.with_name(f".{MARKER}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(d, indent=2) + "\n")
+    os.replace(tmp, f)
+
+
 def _why_not_replaceable(path: Path, kind: str, accept: tuple = ()) -> str | None:
     """None when writing `kind` at the existing `path` destroys nothing quantgate did not write; else why not."""
     kinds = (kind, *accept)
-    parent = read_marker(path.parent) if kind in (*FILE_KINDS, "plots") and path.parent != path else None
-    if parent and path.name in CONTAINER_ENTRIES.get(parent["artifact"], ()):
-        return None  # a file or plots folder quantgate writes by this name inside a folder of its own
+    if os.path.islink(path) and kind not in CONTAINERS:  # a container is written into through a link, not replaced
+        return "is a symbolic link; quantgate never replaces a link (pass the path it points to, or another path)"
+    if kind in (*FILE_KINDS, "plots") and _container_of(path) is not None and proven_ours(path) is None:
+        return None  # a file or plots folder quantgate wrote, with the content it wrote, inside a folder of its own
     if kind in FILE_KINDS:
         if path.is_dir():
             return "is a folder; it must be a file path"
@@ -156,6 +266,13 @@ def _why_not_replaceable(path: Path, kind: str, accept: tuple = ()) -> str | Non
             more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
             return (f"holds {foreign[0]!r}{more}, which quantgate did not write; move it away or choose another "
                     f"path (replacing the folder would delete it)")
+        if not isinstance(mark.get(HASHES), dict):
+            return (f"carries a {MARKER} without the content hashes quantgate records for what it writes, so nothing "
+                    f"proves quantgate wrote its files; remove it yourself or choose another path")
+        bad = _unproven(path, mark[HASHES], path)
+        if bad:
+            return (f"holds {bad!r}, which is not what quantgate wrote there (changed or replaced since); move it "
+                    f"away or choose another path (replacing the folder would delete it)")
     return None
 
 
@@ -208,6 +325,9 @@ def check_output(out: Path | str, kind: str, inputs: Iterable = (), flag: str = 
     if os.path.lexists(out):
         if not out.exists():
             raise QuantgateError(f"{flag} {out} is a broken symbolic link; remove it or choose another path")
+        if os.path.islink(out) and kind not in CONTAINERS:  # a container is written into, a link to it is fine
+            raise QuantgateError(f"{flag} {out} is a symbolic link; quantgate never replaces a link with what it "
+                                 f"writes (pass the path it points to, or another path)")
         why = _why_not_replaceable(out, kind, accept)
         if why:
             raise QuantgateError(f"{flag} {out} {why}")
@@ -401,19 +521,34 @@ def atomic_path(path: Path | str, kind: str | None = None) -> Iterator[Path]:
         _refuse_if_interrupted()
         _pause_before_commit(path)
         _refuse_if_interrupted()
+        digest = sha256_file(Path(tmp)) if _container_of(path) is not None else None
         with signals_held():
-            if kind is not None and os.path.lexists(path):
-                why = _why_not_replaceable(path, kind)
+            if os.path.lexists(path):
+                why = _why_not_replaceable(path, kind) if kind is not None else _replace_inside(path)
                 if why:
                     raise QuantgateError(f"{path} {why}")
             os.chmod(tmp, _default_mode(False))
             os.replace(tmp, path)
+            if digest:
+                _record(path, digest)
     except BaseException as e:
         with signals_held():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             _remove_created(created)
         _reraise(e, path)
+
+
+def _replace_inside(path: Path) -> str | None:
+    """Why a file without a kind of its own (a report page, a training state) may not be replaced: inside a
+    container it must be one quantgate recorded, unchanged; a symbolic link never is. Elsewhere (quantgate's own
+    cache) the caller owns the name."""
+    if os.path.islink(path):
+        return "is a symbolic link; quantgate never replaces a link"
+    if _container_of(path) is None:
+        return None
+    why = proven_ours(path)
+    return None if why is None else f"exists and is not a file quantgate wrote ({why}); move it away"
 
 
 @contextlib.contextmanager
@@ -432,6 +567,8 @@ def _write_marker(folder: Path, kind: str) -> None:
     meta = json.loads(f.read_text()) if f.is_file() else {"quantgate_version": __version__}
     meta["artifact"] = kind
     meta["files"] = sorted({p.name for p in folder.iterdir()} | {MARKER})
+    meta[HASHES] = {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*"))
+                    if p.is_file() and p != f}
     f.write_text(json.dumps(meta, indent=2) + "\n")
 
 
@@ -459,7 +596,7 @@ def atomic_dir(path: Path | str, kind: str | None = None) -> Iterator[Path]:
         with signals_held():
             os.chmod(tmp, _default_mode(True))
             if os.path.lexists(path):
-                why = _why_not_replaceable(path, kind) if kind is not None else None
+                why = _why_not_replaceable(path, kind) if kind is not None else _replace_inside(path)
                 if why:
                     raise QuantgateError(f"{path} {why}")
                 old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=parent))

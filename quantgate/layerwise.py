@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from .capture import Hook, hooked
-from .errors import QuantgateError
 from .formats.hf import HFCheckpoint, fp32_load
 from .memory import release_freed
 from .model import Model, rope_cache
+from .quant.simulate import apply_saved_quantization, saved_kv_bits
 from .progress import track
 
 VOCAB_SLICE = 1 << 15  # output-head rows converted to fp32 at a time (32768 x d 4096: 0.5 GB)
@@ -34,12 +34,12 @@ class LayerwiseModel:
     """`ckpt` (an opened, checked model directory) run block by block; see the module docstring."""
 
     def __init__(self, ckpt: HFCheckpoint):
-        if "quant_scheme" in ckpt.cfg.extra:
-            raise QuantgateError(f"{ckpt.path}: a quantgate-quantized checkpoint is run whole (its scheme wraps the "
-                                 f"model's Linears); this one does not fit in memory")
         self.ckpt, self.cfg = ckpt, ckpt.cfg
         with torch.device("meta"):
             self.model = Model(self.cfg).eval()
+        if "quant_scheme" in self.cfg.extra:  # a quantgate-quantized checkpoint: its QuantLinears, on meta too
+            apply_saved_quantization(self.model, self.cfg.extra, str(ckpt.path / "config.json"))
+        self.kv_bits = saved_kv_bits(self.model)
         self.weights = ckpt.weights()
 
     def _load(self, module: torch.nn.Module, prefix: str) -> None:
@@ -54,9 +54,11 @@ class LayerwiseModel:
     @torch.inference_mode()
     def hidden(self, windows: np.ndarray, batch: int = 4, probe: bool = False,
                on_layer: Callable[[int, int, torch.Tensor, torch.Tensor | None], None] | None = None,
-               label: str = "layer by layer") -> list[torch.Tensor]:
+               label: str = "layer by layer",
+               after_block: Callable[[int, torch.nn.Module], None] | None = None) -> list[torch.Tensor]:
         """The last block's output for every window, as per-batch tensors: each block loaded once, run over every
-        batch, dropped. on_layer(i, first_window, h, attention probabilities) after block i on each batch."""
+        batch, dropped. on_layer(i, first_window, h, attention probabilities) after block i on each batch;
+        after_block(i, block) once block i has run over every batch, before its weights are dropped."""
         cfg = self.cfg
         T = windows.shape[1]
         cos, sin = rope_cache(cfg, torch.arange(T))
@@ -64,16 +66,25 @@ class LayerwiseModel:
         hs = [emb[torch.as_tensor(windows[i:i + batch])].float() for i in range(0, len(windows), batch)]
         del emb
         release_freed()
-        for i in track(range(cfg.n_layers), label, total=cfg.n_layers, memory=True):
-            block = self.model.layers[i]
-            self._load(block, f"layers.{i}.")
+        for i, block in self.blocks(label):
             for b, h in enumerate(hs):
-                hs[b], _present, probs = block(h, cos, sin, None, probe)
+                hs[b], _present, probs = block(h, cos, sin, None, probe, kv_bits=self.kv_bits)
                 if on_layer is not None:
                     on_layer(i, b * batch, hs[b], probs)
                 del _present, probs
-            self._drop(block)
+            if after_block is not None:
+                after_block(i, block)
         return hs
+
+    def blocks(self, label: str = "layer by layer") -> Iterator[tuple[int, torch.nn.Module]]:
+        """(i, block i with its weights loaded), one block resident at a time: each is dropped when the caller
+        asks for the next."""
+        n = self.cfg.n_layers
+        for i in track(range(n), label, total=n, memory=True):
+            block = self.model.layers[i]
+            self._load(block, f"layers.{i}.")
+            yield i, block
+            self._drop(block)
 
     @torch.inference_mode()
     def iter_logits(self, windows: np.ndarray, batch: int = 4) -> Iterator[tuple[int, np.ndarray]]:
@@ -127,10 +138,11 @@ def needs_layerwise(cfg) -> bool:
 
 def capture_layerwise(lw: LayerwiseModel, windows: np.ndarray, pre: Iterable[Hook] = (), post: Iterable[Hook] = (),
                       batch: int = 4, probe: bool = False, on_layer=None, label: str = "layer by layer",
-                      keep: list | None = None) -> None:
+                      keep: list | None = None, after_block=None) -> None:
     """quantgate.capture.capture for a LayerwiseModel: the hooks attached to its (meta) modules fire as each block
-    runs; on_layer(i, first_window, h, probs); `keep` receives the final hidden states."""
+    runs; on_layer(i, first_window, h, probs); after_block(i, block) once block i has seen every window; `keep`
+    receives the final hidden states."""
     with hooked(pre, post):
-        hs = lw.hidden(windows, batch, probe, on_layer, label)
+        hs = lw.hidden(windows, batch, probe, on_layer, label, after_block)
     if keep is not None:
         keep.extend(hs)

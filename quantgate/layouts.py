@@ -111,6 +111,8 @@ class Layout:
     default_head_dim: int = 128       # transformers' default when config.json has no head_dim
     gated: bool = False               # holds gated models (True) or only gate-free ones (False)
     partial_rotary_ok: bool = False   # config.json can say partial_rotary_factor
+    default_rope_theta: float = 10000.0   # transformers' defaults for the model_type, where config.json says nothing
+    default_partial_rotary: float = 1.0
     needs_qk_norm: bool = True        # its architecture always applies QK-norm
     hybrid_ok: bool = False           # holds Gated DeltaNet layers
     zero_gate_baseline: bool = False  # holds a gate-free model as zero gate rows and o_proj doubled
@@ -131,8 +133,15 @@ class Layout:
         """Which part of a checkpoint a tensor quantgate does not read belongs to (None: it must be read)."""
         return None
 
-    def rope_theta(self, f) -> float:
-        return f.float("rope_theta", 10000.0)
+    def rope(self, hf: dict, where: str) -> tuple[float, float]:
+        """(rope_theta, partial_rotary_factor) from wherever config.json keeps them (read_rope), else the
+        model_type's defaults; partial rotary refused where the architecture has none."""
+        theta, partial = read_rope(hf, where)
+        partial = self.default_partial_rotary if partial is None else partial
+        if partial != 1.0 and not self.partial_rotary_ok:
+            raise QuantgateError(f"{where}: partial_rotary_factor {partial:g} is not part of a {self.name} model "
+                                 f"(its attention rotates every channel); only qwen3_next and qwen3_5 rotate a part")
+        return (self.default_rope_theta if theta is None else theta), partial
 
     def layer_types(self, hf: dict, f, n_layers: int, where: str) -> tuple | None:
         return None
@@ -146,9 +155,6 @@ class Layout:
 
     def check_config(self, hf: dict, f, n_layers: int, where: str) -> None:
         """Refuse a config.json of this model_type that uses features quantgate does not run."""
-
-    def partial_rotary(self, f) -> float:
-        return 1.0
 
     def ffn_fields(self, f) -> dict:
         """Our MLP's ModelConfig fields from config.json: the dense FFN width (a MoE layout adds its experts)."""
@@ -227,6 +233,7 @@ class Official(Layout):
 class Qwen3Next(Layout):
     name, model_type, architecture = "qwen3_next", "qwen3_next", "Qwen3NextForCausalLM"
     zero_centred_norms, default_head_dim, gated, partial_rotary_ok = True, 256, True, True
+    default_partial_rotary = 0.25
     description = "Qwen3-Next (per-head interleaved [q | gate], zero-centred norms)"
 
     def gate_of(self, f) -> str:
@@ -234,9 +241,6 @@ class Qwen3Next(Layout):
 
     def check_config(self, hf: dict, f, n_layers: int, where: str) -> None:
         _check_dense_full_attention(hf, f, n_layers, where)
-
-    def partial_rotary(self, f) -> float:
-        return f.float("partial_rotary_factor", 0.25, hi=1.0)
 
     def config_fields(self, cfg: ModelConfig) -> dict:
         return {"partial_rotary_factor": cfg.partial_rotary, "layer_types": ["full_attention"] * cfg.n_layers,
@@ -262,6 +266,7 @@ class Qwen35(Qwen3Next):
     description = "Qwen3.5 (Gated DeltaNet + gated attention, per-head [q | gate], zero-centred norms)"
 
     multimodal_type = "qwen3_5"
+    default_rope_theta = 1e7
 
     def matches(self, hf: dict) -> bool:
         return hf.get("model_type") in (self.multimodal_type, self.model_type)
@@ -297,21 +302,6 @@ class Qwen35(Qwen3Next):
         if hf.get("num_experts") or hf.get("num_experts_per_tok"):
             raise QuantgateError(f"{where}: a qwen3_5 config with num_experts is neither dense Qwen3.5 nor Qwen3.5-MoE "
                                  f"(whose config says model_type qwen3_5_moe)")
-
-    def rope_theta(self, f) -> float:
-        rp = f.hf.get("rope_parameters")
-        if isinstance(rp, dict) and "rope_theta" in rp:  # transformers 5: not the top-level rope_theta
-            return _positive(rp["rope_theta"], "rope_parameters.rope_theta")
-        return f.float("rope_theta", 1e7)
-
-    def partial_rotary(self, f) -> float:
-        rp = f.hf.get("rope_parameters")
-        if isinstance(rp, dict) and "partial_rotary_factor" in rp:
-            v = _positive(rp["partial_rotary_factor"], "rope_parameters.partial_rotary_factor")
-            if v > 1:
-                raise QuantgateError(f"config.json: rope_parameters.partial_rotary_factor must be at most 1, got {v}")
-            return v
-        return f.float("partial_rotary_factor", 0.25, hi=1.0)
 
     def layer_types(self, hf: dict, f, n_layers: int, where: str) -> tuple | None:
         types = hf.get("layer_types")
@@ -363,9 +353,55 @@ class Qwen35Moe(Qwen35):
                 "shared_expert_intermediate_size": cfg.shared_expert_ffn_dim}
 
 
-def _positive(v, name: str) -> float:
+# Where config.json keeps rope settings: transformers 4 at the top level (rope_theta, partial_rotary_factor) with
+# a `rope_scaling` object for the non-default kinds; transformers 5 in one `rope_parameters` object (rope_type,
+# rope_theta, partial_rotary_factor, and the scaling fields), writing no top-level rope_theta at all.
+ROPE_BLOCKS = ("rope_parameters", "rope_scaling")
+ROPE_FIELDS = ("rope_theta", "partial_rotary_factor")
+# rope_type values that leave text positions' rotation as the plain one: "default", and the multimodal M-RoPE kinds
+# (Qwen3.5's interleaved mrope_section; text tokens carry the same t/h/w position, which is plain rope).
+PLAIN_ROPE_TYPES = ("default", "mrope")
+# What transformers does for the other kinds (rescaled positions or frequencies, attention scaling) quantgate's
+# model, GGUF and ONNX writers do not carry; such a config is refused rather than run as plain rope.
+SCALED_ROPE_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3")
+
+
+def read_rope(hf: dict, where: str) -> tuple[float | None, float | None]:
+    """(rope_theta, partial_rotary_factor) as config.json states them, None where it states nothing, by transformers
+    5's precedence (RotaryEmbeddingConfigMixin.convert_rope_params_to_dict): the block (`rope_scaling` when set,
+    else `rope_parameters`) over the top level. Files transformers 5 writes can disagree between the two: a
+    Qwen3_5TextConfig saves its class default partial_rotary_factor 0.25 at the top level beside the 0.5 its
+    rope_parameters hold and its model runs. A scaled rope (yarn, linear, ...) or a malformed block is refused in one
+    line: running it as plain rope gives wrong logits with exit 0."""
+    top = {k: _positive(hf[k], k, where) for k in ROPE_FIELDS if hf.get(k) is not None}
+    blocks = {}
+    for name in ROPE_BLOCKS:
+        rp = hf.get(name)
+        if rp is None:
+            continue
+        if not isinstance(rp, dict):
+            raise QuantgateError(f"{where}: {name} must be a JSON object, got {json.dumps(rp)[:60]}")
+        kind = rp.get("rope_type", rp.get("type", "default"))
+        if kind not in PLAIN_ROPE_TYPES:
+            what = ("a scaled rope transformers implements and quantgate does not"
+                    if kind in SCALED_ROPE_TYPES else "not a rope type quantgate knows")
+            raise QuantgateError(f"{where}: {name}.rope_type {json.dumps(kind)[:40]} is {what} (quantgate runs "
+                                 f"rope_type 'default' only)")
+        nested = [k for k, v in rp.items() if isinstance(v, dict)]
+        if nested:  # transformers 5's per-layer-type form ({"full_attention": {...}, ...})
+            raise QuantgateError(f"{where}: {name} holds per-layer-type rope settings ({', '.join(nested)[:60]}), "
+                                 f"which quantgate does not read")
+        blocks[name] = {k: _positive(rp[k], f"{name}.{k}", where) for k in ROPE_FIELDS if rp.get(k) is not None}
+    block = blocks.get("rope_scaling") if hf.get("rope_scaling") else blocks.get("rope_parameters", {})
+    theta, partial = ({**top, **(block or {})}.get(k) for k in ROPE_FIELDS)
+    if partial is not None and partial > 1:
+        raise QuantgateError(f"{where}: partial_rotary_factor must be at most 1, got {partial:g}")
+    return theta, partial
+
+
+def _positive(v, name: str, where: str = "config.json") -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e30:
-        raise QuantgateError(f"config.json: {name} must be a positive number, got {json.dumps(v)[:40]}")
+        raise QuantgateError(f"{where}: {name} must be a positive number, got {json.dumps(v)[:40]}")
     return float(v)
 
 

@@ -201,6 +201,16 @@ def hybrid(cfg: ModelConfig, interval: int = 4, value_heads_per_key_head: int = 
                    linear_value_dim=cfg.head_dim, linear_conv_kernel=4)
 
 
+def without_attention(cfg: ModelConfig) -> str | None:
+    """Why a hybrid whose every layer is Gated DeltaNet cannot be exported (None when it has full attention): with no
+    attention there is no attention gate to carry, and quantgate's GGUF and ONNX readers, as llama.cpp's qwen35 graph
+    builder and the ONNX decoder signature, are built around at least one full-attention layer."""
+    if cfg.is_hybrid and not cfg.full_attention_layers:
+        return (f"this hybrid has no full-attention layer (all {cfg.n_layers} layers are Gated DeltaNet): it has no "
+                f"attention gate, and quantgate's GGUF and ONNX formats need at least one full-attention layer")
+    return None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

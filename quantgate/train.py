@@ -74,6 +74,12 @@ class TrainConfig:
         for name in ("steps", "batch_size", "ctx"):
             if getattr(self, name) <= 0:
                 raise QuantgateError(f"{name} must be positive")
+        for name, lo, hi in (("lr", 0, 10), ("weight_decay", 0, 10), ("grad_clip", 0, 1e6), ("min_lr_frac", 0, 1)):
+            v = getattr(self, name)
+            ok = lo < v <= hi if name in ("lr", "grad_clip") else lo <= v <= hi
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok:
+                raise QuantgateError(f"{name} must be a finite number in {'(' if name in ('lr', 'grad_clip') else '['}"
+                                     f"{lo}, {hi}], got {v!r}")
 
 
 def lr_at(step: int, tc: TrainConfig) -> float:
@@ -133,8 +139,8 @@ def prepare_tokenizer(tc: TrainConfig, state_dir: Path, train_texts) -> Tokenize
         tok = byte_tokenizer()
     else:
         tok = train_bpe(train_texts(), tc.vocab_size or preset(tc.preset).vocab_size)
-    state_dir.mkdir(parents=True, exist_ok=True)
-    tok.tok.save(str(state_dir / "tokenizer.json"))
+    with atomic_file(state_dir / "tokenizer.json", "w") as f:  # recorded as quantgate's (fsio: content hashes)
+        f.write(tok.tok.to_str(pretty=True))
     return tok
 
 

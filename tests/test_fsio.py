@@ -171,3 +171,54 @@ def test_a_second_ctrl_c_during_cleanup_cannot_leave_debris(tmp_path):
     finally:
         shutil.rmtree = real
     assert list(tmp_path.iterdir()) == []
+
+
+def test_files_inside_a_container_are_replaced_only_with_the_content_quantgate_recorded(tmp_path):
+    out = claim_folder(tmp_path / "rep", "report")
+    with atomic_file(out / "report.md", "w") as f:
+        f.write("first")
+    with atomic_file(out / "report.md", "w") as f:  # ours, unchanged: replaced
+        f.write("second")
+    assert (out / "report.md").read_text() == "second" and fsio.proven_ours(out / "report.md") is None
+    (out / "report.md").write_text("the user's edit")
+    with pytest.raises(QuantgateError, match="is not a file quantgate wrote"):
+        with atomic_file(out / "report.md", "w") as f:
+            f.write("third")
+    assert (out / "report.md").read_text() == "the user's edit"
+    (out / "notes.md").write_text("mine")  # never recorded
+    assert fsio.proven_ours(out / "notes.md") is not None
+    with pytest.raises(QuantgateError):
+        with atomic_file(out / "notes.md", "w") as f:
+            f.write("x")
+    assert (out / "notes.md").read_text() == "mine"
+
+
+def test_artifacts_record_every_files_hash_and_a_changed_one_stops_replacement(tmp_path):
+    with atomic_dir(tmp_path / "m", "checkpoint") as d:
+        (d / "config.json").write_text("{}")
+        (d / "model.safetensors").write_bytes(b"weights")
+    mark = json.loads((tmp_path / "m" / "quantgate.json").read_text())
+    assert set(mark["sha256"]) == {"config.json", "model.safetensors"}
+    check_output(tmp_path / "m", "checkpoint")
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"retrained by the user")
+    with pytest.raises(QuantgateError, match="not what quantgate wrote"):
+        check_output(tmp_path / "m", "checkpoint")
+    with pytest.raises(QuantgateError, match="not what quantgate wrote"):
+        with atomic_dir(tmp_path / "m", "checkpoint") as d:
+            (d / "config.json").write_text("{}")
+    assert (tmp_path / "m" / "model.safetensors").read_bytes() == b"retrained by the user"
+
+
+def test_a_symlinked_output_is_refused_even_when_it_points_to_an_artifact_of_ours(tmp_path):
+    with atomic_dir(tmp_path / "m", "checkpoint") as d:
+        (d / "config.json").write_text("{}")
+    (tmp_path / "link").symlink_to(tmp_path / "m")
+    with pytest.raises(QuantgateError, match="symbolic link"):
+        check_output(tmp_path / "link", "checkpoint")
+    with pytest.raises(QuantgateError, match="symbolic link"):
+        with atomic_dir(tmp_path / "link", "checkpoint") as d:
+            (d / "config.json").write_text("{}")
+    assert (tmp_path / "link").is_symlink()
+    claim_folder(tmp_path / "rep", "report")
+    (tmp_path / "replink").symlink_to(tmp_path / "rep")
+    check_output(tmp_path / "replink", "report")  # a container is written into through the link, never replaced

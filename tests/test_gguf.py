@@ -197,6 +197,29 @@ def test_kv_cache_types_run_and_quantized_kv_costs_accuracy(quant_model):
     assert kld["f32"] < 1e-9 < kld["f16"] < kld["q4_0"] and kld["q8_0"] < kld["q4_0"]
 
 
+def test_the_kv_rotation_rule_is_llama_cpps_own(quant_model, tmp_path, monkeypatch):
+    """runners.llama.attn_rotation says llama.cpp rotates Q/K/V for a quantized KV cache at head dimension 64 and
+    not at 32, nor with LLAMA_ATTN_ROT_DISABLE=1: llama.cpp's logits agree (they change with the variable only
+    where the rule says the rotation was on)."""
+    from quantgate.export.gguf import export_gguf
+    from quantgate.runners.llama import attn_rotation
+    from quantgate.tokenizer import byte_tokenizer
+    d, w, _ = quant_model
+    m32 = build_model(preset("tiny", vocab_size=300, head_dim=32, gate="elementwise"), seed=2).eval()
+    randomize_(m32, 2, std=0.06)
+    export_gguf(m32, byte_tokenizer(), tmp_path / "hd32.gguf")
+    for path, head_dim in ((d / "m.gguf", 64), (tmp_path / "hd32.gguf", 32)):
+        logits = {}
+        for disable in ("0", "1"):
+            monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", disable)
+            with LlamaRunner(path, n_ctx=64, kv_type="q4_0") as r:
+                logits[disable] = r.logits(w)
+                assert r.kv_rotation["k"] == (head_dim == 64 and disable == "0")
+        rotated = attn_rotation(head_dim, "q4_0", {"LLAMA_ATTN_ROT_DISABLE": "0"})["k"]
+        assert rotated == (not np.array_equal(logits["0"], logits["1"])), (head_dim, rotated)
+    assert not attn_rotation(64, "f16", {})["k"] and "not quantized" in attn_rotation(64, "f16", {})["reading"]
+
+
 def test_eval_and_generate_cli_on_gguf(quant_model, tmp_path):
     d, _, _ = quant_model
     text = tmp_path / "t.txt"

@@ -53,3 +53,12 @@ def test_a_local_folder_of_that_name_wins(tmp_path, monkeypatch):
     assert is_hub_id("acme/tiny") and not is_hub_id("acme/tiny.gguf") and not is_hub_id("./acme/tiny")
     (tmp_path / "acme" / "tiny").mkdir(parents=True)
     assert not is_hub_id("acme/tiny")
+
+
+@pytest.mark.parametrize("name", ["acme/bad--name", "acme/name.", "acme/x-", "acme/a..b"])
+def test_a_repo_id_the_hub_rejects_is_one_line(cache, tmp_path, name):
+    with pytest.raises(QuantgateError, match="not a repo id the Hugging Face Hub accepts"):
+        load_checkpoint(name)
+    r = run_cli("info", name, env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}, cwd=tmp_path)
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "Hub accepts" in lines[0], r.stderr

@@ -3,6 +3,7 @@ as zero gate rows with o_proj doubled), multimodal Qwen3_5ForConditionalGenerati
 tower and MTP head, rope_parameters honoured, and bad hybrid configs refused in one line."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -162,3 +163,41 @@ def test_torch_quantized_hybrids_save_and_reload_with_their_scheme(tmp_path, sch
     with torch.no_grad():
         a, b, f = q(IDS).logits, fresh(IDS).logits, m(IDS).logits
     assert rel_err(a, b) <= 1e-6 and rel_err(a, f) > 1e-3
+
+
+@pytest.fixture
+def all_linear(tmp_path):
+    """A hybrid whose every layer is Gated DeltaNet (transformers accepts such a config): no attention, no gate."""
+    cfg = dataclasses.replace(_cfg(gate="elementwise"), layer_types=("linear_attention",) * 4)
+    save_checkpoint(build_model(cfg, seed=0).eval(), tmp_path / "m", byte_tokenizer())
+    return tmp_path / "m"
+
+
+def test_a_hybrid_without_full_attention_runs_in_torch_and_its_exports_are_refused(all_linear, tmp_path):
+    from conftest import dir_snapshot
+    assert load_checkpoint(all_linear).model.cfg.full_attention_layers == []
+    before = dir_snapshot(tmp_path)
+    for argv in (["export", "gguf", str(all_linear), "--out", str(tmp_path / "x.gguf")],
+                 ["export", "onnx", str(all_linear), "--out", str(tmp_path / "x-onnx")]):
+        r = run_cli(*argv)
+        lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and "no full-attention layer" in lines[0], r.stderr[-2000:]
+    assert dir_snapshot(tmp_path) == before
+
+
+def test_a_gguf_without_full_attention_is_refused_in_one_line(all_linear, tmp_path, monkeypatch):
+    """Such a file from elsewhere (here: written with the export's check switched off) is refused by the reader."""
+    import quantgate.export.gguf as gguf_export
+    from quantgate.errors import QuantgateError
+    from quantgate.formats.gguf import inspect_gguf
+    monkeypatch.setattr(gguf_export, "without_attention", lambda cfg: None)
+    with pytest.raises(QuantgateError, match="nothing was kept"):  # the writer's own read-back refuses it ...
+        gguf_export.export_checkpoint(all_linear, tmp_path / "x.gguf")
+    assert list(tmp_path.iterdir()) == [all_linear]  # ... and keeps nothing
+    monkeypatch.setattr(gguf_export, "inspect_gguf", lambda path: None)  # the read-back off too: a foreign file
+    loaded = load_checkpoint(all_linear)
+    gguf_export.export_gguf(loaded.model, loaded.tokenizer, tmp_path / "y.gguf")
+    with pytest.raises(QuantgateError, match="every layer is recurrent"):
+        inspect_gguf(tmp_path / "y.gguf")
+    r = run_cli("info", str(tmp_path / "y.gguf"))
+    assert r.returncode == 2 and "every layer is recurrent" in r.stderr and "Traceback" not in r.stderr

@@ -112,11 +112,14 @@ def test_runner_logits_match_the_model(saved):
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), name
 
 
-def test_a_quantized_checkpoint_is_not_run_layer_by_layer(saved, tmp_path):
+def test_a_quantized_checkpoint_runs_layer_by_layer_with_its_scheme(saved, tmp_path):
+    """A quantgate-quantized checkpoint's QuantLinears are built on the meta device too (its perplexity against the
+    in-memory path: tests/test_quantize_layerwise.py)."""
+    from quantgate.qlinear import QuantLinear
     from quantgate.quantize import quantize_checkpoint
     quantize_checkpoint(str(saved / "hybrid-tied"), "w8a16", str(tmp_path / "q"))
-    with pytest.raises(QuantgateError, match="quantgate-quantized checkpoint is run whole"):
-        LayerwiseModel(open_hf(tmp_path / "q"))
+    lw = LayerwiseModel(open_hf(tmp_path / "q"))
+    assert any(isinstance(m, QuantLinear) for m in lw.model.modules())
 
 
 def test_layerwise_refuses_what_it_cannot_run(saved):

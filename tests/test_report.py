@@ -10,6 +10,8 @@ import torch
 from conftest import run_cli
 from quantgate.checkpoint import save_checkpoint
 from quantgate.model import make_twins, preset
+from quantgate.report.conclusion import verdict_tests
+from quantgate.stats import holm
 from quantgate.tokenizer import byte_tokenizer
 
 SCHEMES = "torch:w8a8-static,onnx:int4,onnx:int4+gate8,gguf:Q4_0,gguf:kv-q8_0"
@@ -65,7 +67,8 @@ def test_conclusion_follows_the_numbers(report_run):
         comp = rep["comparisons"][f"{backend}/{scheme}"]
         lo, hi = comp["kld_ratio_ci95"]
         want = "gated" if hi < 1 else "baseline" if lo > 1 else "not resolved"
-        assert comp["kld_verdict"] == want
+        assert comp["kld_verdict"] == (want if comp["holm_kept"]["kld"] else "not resolved")
+        assert comp["holm_kept"]["kld"] == holm(verdict_tests(rep))[f"comparisons/{backend}/{scheme}/kld"]
         line = next(c for c in rep["conclusion"] if c.startswith(f"{backend} {scheme}:"))
         assert f"{comp['kld_ratio']:.2f} [{lo:.2f}, {hi:.2f}]" in line
         if comp["verdict"] == "not resolved":
@@ -74,7 +77,9 @@ def test_conclusion_follows_the_numbers(report_run):
             assert f"the {comp['verdict']} twin loses less" in line
     o = rep["outliers"]
     assert f"{o['baseline']['max_abs']:.1f}" in rep["conclusion"][0]
-    assert rep["statistics"]["unit"] == "held-out window"
+    # one text file: too few documents, so blocks of consecutive windows are the bootstrap's units, and it says so
+    assert rep["statistics"]["unit"] == "block of consecutive windows (fewer documents than units)"
+    assert rep["statistics"]["correction"] == "Holm" and rep["statistics"]["verdicts"] == len(verdict_tests(rep))
     assert "Attention sinks (a head whose mean attention on BOS exceeds 0.3" in "\n".join(rep["conclusion"])
 
 

@@ -9,7 +9,8 @@ in one process (one start-up), each writing an .npz of float64 logits:
       AutoModelForCausalLM.from_pretrained(DIR) on IDS: the full forward, and prefill(10) + one token at a time on
       transformers' own cache.
   ["make", SPEC.json, DIR, IDS.npy, OUT.npz]
-      a random stock model from SPEC (a Qwen3_5TextConfig, or with "moe": true a Qwen3_5MoeTextConfig; plus
+      a random stock model from SPEC (a Qwen3_5TextConfig, or with "moe": true a Qwen3_5MoeTextConfig, or with
+      "kind": "Qwen3" / "Qwen3Next" that model's Config and ForCausalLM; plus
       "multimodal": a tiny vision tower and the ConditionalGeneration class), weights drawn N(0, 0.1) (1-D ones 0.3 N(0, 1): norms stored zero-centred),
       saved with save_pretrained into DIR, and its logits on IDS.
 """
@@ -44,8 +45,9 @@ def make(spec_file: str, folder: str, ids_file: str, out: str) -> None:
     import transformers
     spec = json.loads(open(spec_file).read())
     multimodal = spec.pop("multimodal", False)
-    kind = "Qwen3_5Moe" if spec.pop("moe", False) else "Qwen3_5"
-    text = getattr(transformers, f"{kind}TextConfig")(**spec)
+    kind = spec.pop("kind", None) or ("Qwen3_5Moe" if spec.pop("moe", False) else "Qwen3_5")
+    spec.pop("moe", None)
+    text = getattr(transformers, f"{kind}TextConfig" if kind.startswith("Qwen3_5") else f"{kind}Config")(**spec)
     torch.manual_seed(0)
     if multimodal:
         vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "patch_size": 2,

@@ -184,9 +184,13 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
     rot = m.int(f"{arch}.rope.dimension_count", head_dim, hi=head_dim)
     if rot % 2:
         raise QuantgateError(f"{path}: rope.dimension_count {rot} is odd")
+    _check_plain_rope(m, arch, path)
     n_layers = n_blocks - identity - nextn
     flags = m.list(f"{arch}.attention.recurrent_layers", bool) or []
     recurrent = tuple(i for i, f in enumerate(flags[:n_layers]) if f)
+    if n_layers and len(recurrent) == n_layers:
+        raise QuantgateError(f"{path}: every layer is recurrent (no full-attention layer): quantgate runs hybrids with "
+                             f"at least one gated full-attention layer")
     if any(flags[n_layers + identity:]):
         raise QuantgateError(f"{path}: {arch}.attention.recurrent_layers marks an MTP block recurrent")
     tensors = {t.name: t for t in reader.tensors}
@@ -233,6 +237,19 @@ def inspect_gguf(path: str | Path) -> GGUFInfo:
         context_length=m.int(f"{arch}.context_length", 2048, hi=1 << 24), tensor_types=types, metadata=meta,
         recurrent_layers=recurrent, nextn_layers=nextn, ssm={k[4:]: v for k, v in hp.items() if k.startswith("ssm_")} if recurrent else {},
         moe=moe)
+
+
+def _check_plain_rope(m: _Meta, arch: str, path: Path) -> None:
+    """llama.cpp reads rope scaling from these keys (llama_model_loader: LLM_KV_ROPE_SCALING_*, ROPE_SCALE_LINEAR);
+    quantgate's runners compute plain rope, so a file that scales it is refused, not run with other logits."""
+    kind = m.str(f"{arch}.rope.scaling.type", "none")
+    factor = _field(m.reader, f"{arch}.rope.scaling.factor", None)
+    linear = _field(m.reader, f"{arch}.rope.scale_linear", None)
+    scaled = [f"{k} = {v}" for k, v in ((f"{arch}.rope.scaling.factor", factor), (f"{arch}.rope.scale_linear", linear))
+              if v not in (None, 0, 0.0, 1, 1.0)]
+    if kind not in ("none", "linear") or scaled:
+        what = f"{arch}.rope.scaling.type = {kind!r}" if kind not in ("none", "linear") else ", ".join(scaled)
+        raise QuantgateError(f"{path}: {what}: a scaled rope, which quantgate does not run (it runs plain rope only)")
 
 
 def _check_tensor_set(path: Path, arch: str, n_layers: int, identity: int, names: set[str], n_blocks: int,

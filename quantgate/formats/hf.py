@@ -109,8 +109,7 @@ def config_from_hf(hf: dict, path: Path) -> tuple[ModelConfig, Layout]:
     H = f.int("num_attention_heads", hi=MAX_DIM)
     # absent fields take transformers' own defaults for that model_type
     hd = f.int("head_dim", layout.default_head_dim, hi=MAX_DIM)
-    if hf.get("rope_scaling"):
-        raise QuantgateError(f"{where}: rope_scaling {json.dumps(hf['rope_scaling'])[:60]} is not supported")
+    rope_theta, partial_rotary = layout.rope(hf, where)
     if hf.get("attention_bias") or hf.get("qkv_bias"):
         raise QuantgateError(f"{where}: attention biases are not supported")
     if hf.get("hidden_act", "silu") != "silu":
@@ -134,8 +133,7 @@ def config_from_hf(hf: dict, path: Path) -> tuple[ModelConfig, Layout]:
             vocab_size=f.int("vocab_size", hi=MAX_VOCAB), dim=f.int("hidden_size", hi=MAX_DIM), n_layers=L, n_heads=H,
             n_kv_heads=f.int("num_key_value_heads", H, hi=MAX_DIM), head_dim=hd,
             **layout.ffn_fields(f), gate=gate,
-            rope_theta=layout.rope_theta(f),
-            partial_rotary=layout.partial_rotary(f),
+            rope_theta=rope_theta, partial_rotary=partial_rotary,
             qk_norm=f.bool("use_qk_norm", True), tie_embeddings=f.bool("tie_word_embeddings", False),
             norm_eps=f.float("rms_norm_eps", 1e-6, hi=1.0),
             max_seq_len=f.int("max_position_embeddings", 2048, hi=MAX_CONTEXT),
@@ -446,19 +444,29 @@ def read_state_dict(src: TensorSource, cfg: ModelConfig, layout: Layout, plan: d
 
 
 def write_state_dict(model: Model, layout: Layout) -> dict[str, torch.Tensor]:
-    cfg, ours = model.cfg, model.state_dict()
+    return hf_tensors(model.cfg, layout, model.state_dict())
+
+
+def hf_tensors(cfg: ModelConfig, layout: Layout, ours: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors (their names, fp32) for the tensors of `ours` given: a whole model's state dict, or
+    one block's (a layer-by-layer writer), or meta tensors (the file's shapes, nothing allocated). A layer's fused
+    q_proj is written when its q_proj is given (its o_proj with it, which a zero-gate baseline layout doubles)."""
     out = {}
     names = _names(cfg)
     for i in range(cfg.n_layers) if cfg.is_moe else ():
         names.update(expert_names(cfg, i))
     for o, t in names.items():
+        if o not in ours:
+            continue
         w = ours[o].detach().float()
         out[t] = (w - 1.0 if layout.zero_centred_norms and is_norm(o) else w).contiguous().clone()
     for i in cfg.full_attention_layers:
+        if f"layers.{i}.self_attn.q_proj.weight" not in ours:
+            continue
         q = ours[f"layers.{i}.self_attn.q_proj.weight"].float()
         g = ours.get(f"layers.{i}.self_attn.g_proj.weight")
         if g is None and layout.zero_gate_baseline:  # sigmoid(0) = 1/2 on every channel, undone by 2 * o_proj
-            g = torch.zeros(cfg.n_heads * cfg.head_dim, cfg.dim)
+            g = torch.zeros(cfg.n_heads * cfg.head_dim, cfg.dim, device=q.device)
             out[f"model.layers.{i}.self_attn.o_proj.weight"] = out[f"model.layers.{i}.self_attn.o_proj.weight"] * 2.0
         out[Q_NAME.format(i=i)] = layout.fuse_q(q, None if g is None else g.float(), cfg).contiguous().clone()
     return out
@@ -579,6 +587,17 @@ def save_checkpoint(model: Model, out: str | Path, tokenizer: Tokenizer | None =
     elementwise -> dense all-full-attention qwen3_next, a hybrid (Gated DeltaNet layers) -> qwen3_5 whatever its
     gate (override with `layout`)."""
     cfg = model.cfg
+    lay = layout_for(cfg, layout)
+    check_output(out, "checkpoint", inputs)
+    tensors = write_state_dict(model, lay)
+    with atomic_dir(out, "checkpoint") as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_side_files(tmp, cfg, lay, tokenizer)
+    return Path(out)
+
+
+def layout_for(cfg: ModelConfig, layout: str | None = None) -> Layout:
+    """The layout a model is saved in (save_checkpoint's rule, or `layout` by name), refused if it cannot hold it."""
     name = layout or ("qwen3_5_moe" if cfg.is_moe else "qwen3_5" if cfg.is_hybrid else DEFAULT_LAYOUT_FOR_GATE[cfg.gate])
     if name not in LAYOUTS:
         raise QuantgateError(f"unknown layout {name!r}; choose from {sorted(LAYOUTS)}")
@@ -586,13 +605,13 @@ def save_checkpoint(model: Model, out: str | Path, tokenizer: Tokenizer | None =
     why = lay.cannot_hold(cfg)
     if why:
         raise QuantgateError(why)
-    check_output(out, "checkpoint", inputs)
-    tensors = write_state_dict(model, lay)
-    with atomic_dir(out, "checkpoint") as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, lay), indent=2) + "\n")
-        gen = {"bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "pad_token_id": cfg.pad_id}
-        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-        if tokenizer is not None:
-            tokenizer.save(tmp)
-    return Path(out)
+    return lay
+
+
+def write_side_files(tmp: Path, cfg: ModelConfig, lay: Layout, tokenizer: Tokenizer | None) -> None:
+    """config.json, generation_config.json and the tokenizer beside a checkpoint's weights."""
+    (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, lay), indent=2) + "\n")
+    gen = {"bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id, "pad_token_id": cfg.pad_id}
+    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save(tmp)

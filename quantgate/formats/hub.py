@@ -33,7 +33,13 @@ def resolve(name: str | Path) -> Path:
     if not is_hub_id(name):
         return Path(name)
     from huggingface_hub import snapshot_download  # imported only when a repo id is given
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.utils import validate_repo_id
+    try:
+        validate_repo_id(str(name))  # the Hub's own rule (no "--" or "..", no leading/trailing "-" or ".")
+    except HFValidationError as e:
+        raise QuantgateError(f"{name}: no such local path, and not a repo id the Hugging Face Hub accepts "
+                             f"({' '.join(str(e).split())[:100]})") from None
     cache = os.environ.get("HF_HUB_CACHE") or None
     try:
         return Path(snapshot_download(str(name), cache_dir=cache, local_files_only=offline(), allow_patterns=FILES))
@@ -46,5 +52,5 @@ def resolve(name: str | Path) -> Path:
     except RepositoryNotFoundError:
         raise QuantgateError(f"{name}: no such model repository on the Hugging Face Hub (or it is gated/private: "
                              f"log in with `hf auth login`)") from None
-    except (HfHubHTTPError, OSError) as e:
+    except (HfHubHTTPError, OSError, ValueError) as e:  # ValueError: what else the Hub client refuses
         raise QuantgateError(f"{name}: download failed ({' '.join(str(e).split())[:120]})") from None

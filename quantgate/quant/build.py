@@ -27,8 +27,8 @@ class CalibSettings:
     seed: int = 0
 
 
-def _torch(src, s: TorchScheme, out, c: CalibSettings, threads) -> dict:
-    return quantize_checkpoint(src, s, out, c.data, c.windows, c.ctx, c.seed)
+def _torch(src, s: TorchScheme, out, c: CalibSettings, threads, layerwise=None) -> dict:
+    return quantize_checkpoint(src, s, out, c.data, c.windows, c.ctx, c.seed, layerwise)
 
 
 def _onnx(src, s: OnnxScheme, out, c: CalibSettings, threads) -> dict:
@@ -54,10 +54,16 @@ HANDLERS = {TorchScheme: _torch, OnnxScheme: _onnx, GgufScheme: _gguf, TorchaoSc
 
 
 def quantize(source: str | Path, scheme, out: str | Path, calib: CalibSettings = CalibSettings(),
-             threads: int | None = None) -> dict:
+             threads: int | None = None, layerwise: bool | None = None) -> dict:
     """Quantize `source` under `scheme` (a registry config: `quantgate.quant.get("gguf", "Q4_K_M")`) into `out`.
-    Returns the backend's summary of what it wrote."""
+    `layerwise` (PyTorch schemes): True runs the model one block at a time whatever its size, False never, None
+    when it does not fit in memory (the GGUF and ONNX quantizers always stream). Returns the backend's summary."""
     handler = HANDLERS.get(type(scheme))
     if handler is None:
         raise QuantgateError(f"not a quantization scheme: {scheme!r}")
+    if handler is _torch:
+        return handler(source, scheme, out, calib, threads, layerwise)
+    if layerwise:
+        raise QuantgateError("--layerwise applies to PyTorch schemes (a model directory); the llama.cpp and ONNX "
+                             "quantizers always work a tensor at a time")
     return handler(source, scheme, out, calib, threads)

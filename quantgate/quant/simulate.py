@@ -7,6 +7,7 @@ position 0 (BOS) out of that range and out of quantization.
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -44,6 +45,71 @@ class Calibration:
     hessians: dict[str, torch.Tensor] = field(default_factory=dict)  # sum x^T x per Linear (GPTQ)
 
 
+class Calibrator:
+    """What a scheme needs per Linear, recorded by forward pre-hooks while the float model runs: min-max or a
+    sample of input values (static ranges), sum x^T x (GPTQ). `hooks()` for capture (whole model) or
+    capture_layerwise (one block at a time); `take(names)` turns what those Linears saw into a Calibration and
+    frees it, so a layer-by-layer pass holds one block's Hessians and samples at a time.
+
+    Each Linear samples with its own generator (seeded from its name), so the sample does not depend on the
+    order in which Linears run: a whole-model pass and a block-by-block pass sample the same values."""
+
+    def __init__(self, linears: dict[str, nn.Module], scheme: Scheme):
+        self.linears, self.scheme = linears, scheme
+        self.lo = {n: float("inf") for n in linears}
+        self.hi = {n: float("-inf") for n in linears}
+        self.samples: dict[str, list] = {n: [] for n in linears}
+        self.hessians: dict[str, torch.Tensor] = {}
+        self.gens: dict[str, torch.Generator] = {}
+
+    def _hook(self, name: str):
+        scheme = self.scheme
+
+        def hook(_m, args):
+            x = args[0]
+            if scheme.method == "gptq":
+                h = input_hessian(x.detach())
+                self.hessians[name] = h if name not in self.hessians else self.hessians[name] + h
+            if scheme.act != "static":
+                return
+            if scheme.sink_aware:
+                x = x[:, 1:]
+            x = x.detach().float().reshape(-1)
+            if scheme.calib == "percentile":
+                if name not in self.gens:
+                    self.gens[name] = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                idx = torch.randint(0, x.numel(), (min(x.numel(), PERCENTILE_SAMPLE),), generator=self.gens[name])
+                self.samples[name].append(x[idx])
+            else:
+                self.lo[name] = min(self.lo[name], float(x.min()))
+                self.hi[name] = max(self.hi[name], float(x.max()))
+        return hook
+
+    def hooks(self) -> list:
+        return [(m, self._hook(n)) for n, m in self.linears.items()]
+
+    def take(self, names) -> Calibration:
+        """The Calibration of these Linears (what was recorded for them is dropped)."""
+        scheme = self.scheme
+        cal = Calibration(hessians={n: self.hessians.pop(n) for n in names if n in self.hessians})
+        if scheme.act == "static" and scheme.calib == "percentile":
+            q = torch.tensor([(100 - scheme.percentile) / 100, scheme.percentile / 100])
+            for n in names:
+                s = self.samples.pop(n, [])
+                if not s:  # a MoE expert no calibration token reached: quantize_ takes its siblings' range
+                    continue
+                lo_hi = torch.quantile(torch.cat(s), q)
+                cal.ranges[n] = ActRange(float(lo_hi[0]), float(lo_hi[1]))
+        elif scheme.act == "static":
+            cal.ranges = {n: ActRange(self.lo[n], self.hi[n]) for n in names}
+        return cal
+
+
+def check_windows(scheme: Scheme, windows) -> None:
+    if windows is None or len(windows) == 0:
+        raise QuantgateError(f"scheme {scheme.name} needs calibration windows, and none were given")
+
+
 @torch.inference_mode()
 def calibrate(model: Model, windows: np.ndarray, scheme: Scheme, batch: int = 4) -> Calibration:
     """One pass of the float model over the windows, recording what the scheme needs per Linear.
@@ -51,46 +117,11 @@ def calibrate(model: Model, windows: np.ndarray, scheme: Scheme, batch: int = 4)
     GPTQ Hessians come from the float model's inputs in this single pass (not layer-sequentially from
     already-quantized layers), which keeps calibration one forward per batch.
     """
-    if windows is None or len(windows) == 0:
-        raise QuantgateError(f"scheme {scheme.name} needs calibration windows, and none were given")
+    check_windows(scheme, windows)
     linears = block_linears(model)
-    lo = {n: float("inf") for n in linears}
-    hi = {n: float("-inf") for n in linears}
-    samples: dict[str, list] = {n: [] for n in linears}
-    hessians: dict[str, torch.Tensor] = {}
-    gen = torch.Generator().manual_seed(0)
-
-    def hook_for(name):
-        def hook(_m, args):
-            x = args[0]
-            if scheme.method == "gptq":
-                h = input_hessian(x.detach())
-                hessians[name] = h if name not in hessians else hessians[name] + h
-            if scheme.act != "static":
-                return
-            if scheme.sink_aware:
-                x = x[:, 1:]
-            x = x.detach().float().reshape(-1)
-            if scheme.calib == "percentile":
-                idx = torch.randint(0, x.numel(), (min(x.numel(), PERCENTILE_SAMPLE),), generator=gen)
-                samples[name].append(x[idx])
-            else:
-                lo[name] = min(lo[name], float(x.min()))
-                hi[name] = max(hi[name], float(x.max()))
-        return hook
-
-    capture(model, windows, pre=[(m, hook_for(n)) for n, m in linears.items()], batch=batch, label="calibrate")
-    cal = Calibration(hessians=hessians)
-    if scheme.act == "static" and scheme.calib == "percentile":
-        q = torch.tensor([(100 - scheme.percentile) / 100, scheme.percentile / 100])
-        for n, s in samples.items():
-            if not s:  # a MoE expert no calibration token reached: quantize_ takes its siblings' range
-                continue
-            lo_hi = torch.quantile(torch.cat(s), q)
-            cal.ranges[n] = ActRange(float(lo_hi[0]), float(lo_hi[1]))
-    elif scheme.act == "static":
-        cal.ranges = {n: ActRange(lo[n], hi[n]) for n in linears}
-    return cal
+    cal = Calibrator(linears, scheme)
+    capture(model, windows, pre=cal.hooks(), batch=batch, label="calibrate")
+    return cal.take(list(linears))
 
 
 KEEP_SCOPE_LINEARS = {  # KeepAt scope -> the block Linears it names in our model (quantgate.quant.schemes.SCOPES)
@@ -133,28 +164,40 @@ def _sibling_range(cal: Calibration, name: str) -> ActRange:
     return ActRange(min(r.lo for r in seen), max(r.hi for r in seen))
 
 
+def check_applies(scheme: Scheme, cfg) -> None:
+    """The scheme/model combinations refused before any work (one line each)."""
+    if scheme.smooth_alpha is not None:
+        attention_only(cfg, f"scheme {scheme.name} (SmoothQuant)")
+    if scheme.sink_aware and cfg.is_moe:  # experts see routed tokens, flattened: no first position to skip
+        raise QuantgateError(f"scheme {scheme.name} (sink-aware) does not apply to mixture-of-experts models: an "
+                             f"expert's input has no first position")
+    if scheme.gate_bits is not None and cfg.gate == "none":
+        raise QuantgateError(f"scheme {scheme.name} keeps the gate at {scheme.gate_bits} bits, "
+                             f"but this model has no attention gate")
+
+
 def quantize_(model: Model, scheme: Scheme, calib_windows: np.ndarray | None = None,
               only: Callable[[str], bool] | None = None) -> Model:
     """Replace every block Linear by a QuantLinear under `scheme`. Returns the same model object.
 
     only(name) -> bool restricts quantization to some Linears (error attribution); the rest stay float.
     """
+    check_applies(scheme, model.cfg)
     if scheme.smooth_alpha is not None:
-        attention_only(model.cfg, f"scheme {scheme.name} (SmoothQuant)")
-    if scheme.sink_aware and model.cfg.is_moe:  # experts see routed tokens, flattened: no first position to skip
-        raise QuantgateError(f"scheme {scheme.name} (sink-aware) does not apply to mixture-of-experts models: an "
-                             f"expert's input has no first position")
-    if scheme.gate_bits is not None and model.cfg.gate == "none":
-        raise QuantgateError(f"scheme {scheme.name} keeps the gate at {scheme.gate_bits} bits, "
-                             f"but this model has no attention gate")
-    if scheme.smooth_alpha is not None:
-        if calib_windows is None or len(calib_windows) == 0:
-            raise QuantgateError(f"scheme {scheme.name} needs calibration windows, and none were given")
+        check_windows(scheme, calib_windows)
         smooth_(model, calib_windows, scheme.smooth_alpha)
     cal = calibrate(model, calib_windows, scheme) if scheme.needs_calibration else Calibration()
-    for name, lin in block_linears(model).items():
-        if scheme.kv_only:
-            break  # a KV-cache-only scheme leaves the Linears alone
+    quantize_linears(model, block_linears(model), scheme, cal, only)
+    model.cfg.extra = {**model.cfg.extra, "quant_scheme": scheme.to_dict()}
+    return model
+
+
+def quantize_linears(model: nn.Module, linears: dict[str, nn.Module], scheme: Scheme, cal: Calibration,
+                     only: Callable[[str], bool] | None = None) -> None:
+    """Swap each of `linears` (block_linears names, all of a model's or one block's) for its QuantLinear in `model`."""
+    if scheme.kv_only:
+        return  # a KV-cache-only scheme leaves the Linears alone
+    for name, lin in linears.items():
         if only is not None and not only(name):
             continue
         bits = _bits_for(name, scheme)
@@ -175,8 +218,6 @@ def quantize_(model: Model, scheme: Scheme, calib_windows: np.ndarray | None = N
                         weight_bits=bits, group_size=scheme.group_size)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, q)
-    model.cfg.extra = {**model.cfg.extra, "quant_scheme": scheme.to_dict()}
-    return model
 
 
 # --- checkpoints that carry their scheme --------------------------------------------------------------
@@ -190,10 +231,14 @@ def saved_kv_bits(model: Model) -> int | None:
 
 
 def saved_quantization(model: Model) -> dict:
-    ranges = {n: [m.act_range.lo, m.act_range.hi] for n, m in model.layers.named_modules()
-              if isinstance(m, QuantLinear) and m.act_range is not None}
-    bits = {f"layers.{n}": m.weight_bits for n, m in model.layers.named_modules() if isinstance(m, QuantLinear)}
-    return {"act_ranges": {f"layers.{k}": v for k, v in ranges.items()}, "weight_bits": bits}
+    return quant_state_of(model.layers.named_modules(prefix="layers"))
+
+
+def quant_state_of(named_modules) -> dict:
+    """config.json's quant_state for these (name, module) pairs: each QuantLinear's activation range and bits."""
+    q = [(n, m) for n, m in named_modules if isinstance(m, QuantLinear)]
+    return {"act_ranges": {n: [m.act_range.lo, m.act_range.hi] for n, m in q if m.act_range is not None},
+            "weight_bits": {n: m.weight_bits for n, m in q}}
 
 
 def apply_saved_quantization(model: Model, extra: dict, where: str = "config.json") -> Model:

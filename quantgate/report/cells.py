@@ -141,7 +141,7 @@ def gguf_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, sc
         speed = _speed(r, ids, speed_kv)
     info = inspect_gguf(art)
     return {**_metrics(ev), "bytes": info.n_bytes, "bits_per_weight": info.bits_per_weight, "kv_type": kv,
-            **speed, "artifact": str(art)}
+            "kv_rotation": ev["kv_rotation"], **speed, "artifact": str(art)}
 
 
 CELLS = {"torch": torch_cell, "onnx": onnx_cell, "gguf": gguf_cell}  # backend -> how its cells are built and scored

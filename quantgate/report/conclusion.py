@@ -12,10 +12,10 @@ import torch
 
 from .. import __version__
 from ..quant import SCHEMES, SCOPES, plain_of
-from ..stats import LEVEL, MIN_UNITS, NOT_RESOLVED, RESAMPLES, SEED
-from .compare import DISAGREE, compare_cells, link_reading, sqnr_link
+from ..stats import LEVEL, MIN_UNITS, NOT_RESOLVED, RESAMPLES, SEED, direction, holm
+from .compare import DISAGREE, compare_cells, link_reading, settle, sqnr_link
 from .settings import TWINS, ReportSettings, gated_only
-from .sinks import massive_summary, outlier_sentences, sink_summary, twin_outliers
+from .sinks import massive_summary, outlier_sentences, settle_outlier, sink_summary, twin_outliers
 
 
 def layer_inputs(linear_inputs: dict, layer: int, kind: str = "full_attention") -> dict:
@@ -130,8 +130,8 @@ def build_report(s: ReportSettings, analysis: dict, cells: dict, timings: dict, 
                        "python": platform.python_version()},
            "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
                         "llama_cpp_python": llama_version},
-           "statistics": {"method": "paired percentile bootstrap", "unit": "held-out window", "level": LEVEL,
-                          "resamples": RESAMPLES, "seed": SEED},
+           "statistics": {"method": "paired percentile bootstrap", "level": LEVEL, "resamples": RESAMPLES,
+                          "seed": SEED},
            "cells": {k: {kk: vv for kk, vv in v.items() if kk != "layer_sqnr_db"} for k, v in cells.items()},
            "comparisons": twin_comparisons(cells), "gate_aware": gate_aware_comparisons(cells),
            "failed_cells": cell_failures(cells),
@@ -139,8 +139,56 @@ def build_report(s: ReportSettings, analysis: dict, cells: dict, timings: dict, 
            "outlier_comparison": twin_outliers(analysis["baseline"], analysis["gated"]),
            "link": {t: sqnr_link(analysis[t], cells.get(f"torch/{t}/w8a8-static")) for t in TWINS},
            "timings_s": timings, **({"memory": memory} if memory else {})}
+    rep["statistics"] |= correct_verdicts(rep)
+    rep["statistics"]["unit"] = _units(rep)
     rep["conclusion"] = conclusion(rep)
     return rep
+
+
+def verdict_tests(rep: dict) -> dict:
+    """Every "no difference" a report's sentences could reject, by a stable name: p-value. A twin comparison is two
+    verdicts (KLD and delta perplexity), a gate-aware cell one (KLD), the outlier comparison two, each twin's
+    input-size/W8A8 link one."""
+    tests = {}
+    for k, c in (rep.get("comparisons") or {}).items():
+        if "error" not in c:
+            tests[f"comparisons/{k}/kld"], tests[f"comparisons/{k}/ppl"] = c["kld_ratio_p"], c["delta_ppl_diff_p"]
+    for k, c in (rep.get("gate_aware") or {}).items():
+        tests[f"gate_aware/{k}/kld"] = c["kld_ratio_p"]
+    for k, d in (rep.get("outlier_comparison") or {}).items():
+        if isinstance(d, dict) and "p" in d:
+            tests[f"outlier_comparison/{k}"] = d["p"]
+    for t, link in (rep.get("link") or {}).items():
+        if link and "spearman_p" in link:
+            tests[f"link/{t}"] = link["spearman_p"]
+    return tests
+
+
+def correct_verdicts(rep: dict) -> dict:
+    """Holm's step-down correction over every verdict the report can print (verdict_tests): a difference whose 95%
+    interval excludes none but which the correction does not keep is printed as not resolved. Rewrites the verdicts
+    in place; returns what the statistics block records of it."""
+    tests = verdict_tests(rep)
+    keep = holm(tests)
+    for k, c in (rep.get("comparisons") or {}).items():
+        if "error" not in c:
+            rep["comparisons"][k] = settle(c, {m: keep[f"comparisons/{k}/{m}"] for m in ("kld", "ppl")})
+    for k, c in (rep.get("gate_aware") or {}).items():
+        rep["gate_aware"][k] = settle(c, {"kld": keep[f"gate_aware/{k}/kld"], "ppl": False})
+    for k, d in (rep.get("outlier_comparison") or {}).items():
+        if isinstance(d, dict) and "p" in d:
+            rep["outlier_comparison"][k] = settle_outlier(d, keep[f"outlier_comparison/{k}"])
+    for t, link in (rep.get("link") or {}).items():
+        if link and "spearman_p" in link:
+            link["holm_kept"] = keep[f"link/{t}"]
+    return {"correction": "Holm", "verdicts": len(tests),
+            "dropped_by_correction": sorted(k for k, v in keep.items() if not v and tests[k] < 1 - LEVEL)}
+
+
+def _units(rep: dict) -> str:
+    """What the intervals resampled (documents, or blocks of windows where the text has too few documents)."""
+    units = {c.get("interval_unit") for c in (rep.get("comparisons") or {}).values() if c.get("interval_unit")}
+    return " / ".join(sorted(units)) or "held-out window"
 
 
 def _ci(ci, spec: str, units: str = "windows") -> str:
@@ -160,7 +208,11 @@ def comparison_line(name: str, c: dict, a: dict, b: dict) -> str:
         reading = (f"KLD and perplexity disagree (by KLD the {c['kld_verdict']} twin loses less, by delta "
                    f"perplexity the {c['ppl_verdict']} twin)")
     elif v == NOT_RESOLVED:
-        reading = "not resolved (both intervals hold no difference)"
+        dropped = [m for m, ci, null in (("KLD", c["kld_ratio_ci95"], 1.0), ("delta ppl", c["delta_ppl_diff_ci95"], 0.0))
+                   if direction(ci, null)]
+        reading = ("not resolved (both intervals hold no difference)" if not dropped else
+                   f"not resolved (the {' and '.join(dropped)} interval excludes no difference, but Holm's correction "
+                   f"over the report's verdicts does not keep it)")
     elif c["kld_verdict"] == c["ppl_verdict"]:
         reading = f"the {v} twin loses less by both measures"
     else:
@@ -168,7 +220,16 @@ def comparison_line(name: str, c: dict, a: dict, b: dict) -> str:
         other = "delta perplexity" if which == "KLD" else "KLD"
         reading = f"the {v} twin loses less by {which}; {other} does not resolve a difference"
     unpaired = "" if c.get("paired", True) else "; unpaired: the two models were scored on different windows"
+    rot = {t: x.get("kv_rotation") for t, x in (("gated", a), ("baseline", b)) if x.get("kv_rotation")}
+    if rot and "not quantized" not in " ".join(rot.values()):
+        same = len(set(rot.values())) == 1
+        unpaired += ("; " + (f"{next(iter(rot.values()))} for both twins" if same else
+                             "; ".join(f"{t}: {r}" for t, r in rot.items())))
     return f"{name}: {reading} ({kld}; {ppl}{unpaired})."
+
+
+def _plural(unit: str) -> str:
+    return " / ".join(u.replace("window", "windows", 1) if u.startswith("block") else u + "s" for u in unit.split(" / "))
 
 
 def conclusion(rep: dict) -> list[str]:
@@ -193,7 +254,10 @@ def conclusion(rep: dict) -> list[str]:
         tail = f"; {len(failed)} cells failed or were skipped: {'; '.join(failed)}" if failed else ""
         unpaired = len(comps) - len(scored)
         lines.append(f"Across {len(comps)} quantized configurations both twins ran, with 95% intervals from a "
-                     f"{st.get('method', 'bootstrap')} over held-out windows: the gated twin loses less in "
+                     f"{st.get('method', 'bootstrap')} over held-out {_plural(st.get('unit', 'window'))} and "
+                     f"verdicts kept by Holm's correction over the report's {st.get('verdicts', len(comps))} "
+                     f"verdicts, about these two checkpoints (not about training runs in general: "
+                     f"train seeds, `--seeds`, for that): the gated twin loses less in "
                      f"{count['gated']}, the baseline in {count['baseline']}, {count[NOT_RESOLVED]} not resolved, "
                      f"{count[DISAGREE]} where KLD and perplexity disagree"
                      + (f", {unpaired} not compared" if unpaired else "") + f"{tail}.")

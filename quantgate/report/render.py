@@ -120,9 +120,12 @@ def _setting_line(rep: dict) -> str:
 
 def _stats_line(rep: dict) -> str:
     st = rep.get("statistics") or {}
+    holm = (f" and Holm's step-down correction over the report's {st['verdicts']} verdicts keeps it"
+            if st.get("correction") == "Holm" else "")
     return (f"Intervals: {st.get('level', 0.95):.0%}, {st.get('method', 'bootstrap')}, unit: one {st.get('unit', 'window')}"
             f" ({st.get('resamples', '?')} resamples, seed {st.get('seed', 0)}). A verdict names a twin only where "
-            "the interval excludes no difference. Speed: every cell by the runners' one protocol (each cell's "
+            f"the interval excludes no difference{holm}; verdicts are about these two checkpoints (another training "
+            "run can differ: `train --seeds` and a report across seeds carry that). Speed: every cell by the runners' one protocol (each cell's "
             "speed_protocol in report.json), cells timed one after another; `KV timed` is the cache the speed runs "
             "used, `KV scored` the one accuracy was scored with where they differ.")
 

@@ -1,6 +1,8 @@
 """`run_report(settings)`: every cell run (or read back from a previous run), then report.json, .md and .html."""
 from __future__ import annotations
 
+import os
+
 from ..analyze import analyze, plot_reports
 from ..calib_data import check_ctx, default_split, eval_windows, load_corpus, tokenize_corpus
 from ..errors import QuantgateError
@@ -69,7 +71,10 @@ def run_report(s: ReportSettings) -> dict:
             for scheme in s.schemes.get(backend, DEFAULT_SCHEMES[backend]):
                 if twin == "baseline" and gated_only(backend, scheme):
                     continue
-                cell = cached(cells_dir / f"{backend}-{twin}-{scheme}.json", ident.cell_key(s, backend, twin, scheme),
+                # llama.cpp's KV rotation follows this variable (runners.llama.attn_rotation): part of what a cell is
+                env = ("LLAMA_ATTN_ROT_DISABLE", os.environ.get("LLAMA_ATTN_ROT_DISABLE")) if backend == "gguf" else ()
+                cell = cached(cells_dir / f"{backend}-{twin}-{scheme}.json",
+                              ident.cell_key(s, backend, twin, scheme, *env),
                               lambda b=backend, t=twin, sc=scheme: score_cell(s, ident, arts, b, t, sc, ids),
                               f"{backend} {twin} {scheme}", timings)
                 if "error" in cell:

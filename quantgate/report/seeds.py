@@ -1,9 +1,10 @@
 """A report over several seeds: one full report per twin pair (OUT/seed-K/), then the numbers across seeds.
 
-Within a seed the intervals resample windows (how sure one pair's numbers are); across seeds the unit is the
+Within a seed the intervals resample documents (how sure one pair's numbers are); across seeds the unit is the
 trained pair (whether another training run would give the same answer). Across seeds we give the mean, the
 spread (min..max), a Student-t 95% interval of the mean (ratios on the log scale: geometric mean), and how many
-seeds agree in sign; a verdict across seeds is named only where that interval excludes no difference.
+seeds agree in sign; a verdict across seeds is named only where that interval excludes no difference and Holm's
+correction over the comparisons keeps it.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..fsio import atomic_file, check_output, claim_folder, write_json
-from ..stats import NOT_RESOLVED, across_seeds, direction
+from ..stats import NOT_RESOLVED, across_seeds, direction, holm, t_test_p
 from .render import Column, html_table, markdown_table
 from .run import run_report
 from .settings import ReportSettings, check_settings
@@ -50,8 +51,13 @@ def aggregate(reports: list[dict]) -> dict:
         comps[key] = {"kld_ratio": _across([c["kld_ratio"] for c in ok], 1.0, ratio=True),
                       "delta_ppl_diff": _across([c["delta_ppl_diff"] for c in ok], 0.0),
                       "per_seed_verdicts": [c.get("verdict", c.get("error")) for c in cs]}
-        d = comps[key]["kld_ratio"]["direction"]
-        comps[key]["verdict"] = "gated" if d < 0 else "baseline" if d > 0 else NOT_RESOLVED
+        logs = [np.log(c["kld_ratio"]) for c in ok if c["kld_ratio"] and c["kld_ratio"] > 0]
+        comps[key]["kld_ratio"]["p"] = t_test_p(logs, 0.0)
+    keep = holm({k: c["kld_ratio"]["p"] for k, c in comps.items()})  # Holm over the verdicts printed across seeds
+    for key, c in comps.items():
+        d = c["kld_ratio"]["direction"] if keep[key] else 0
+        c["holm_kept"] = keep[key]
+        c["verdict"] = "gated" if d < 0 else "baseline" if d > 0 else NOT_RESOLVED
     cells = {k: across_seeds([r["cells"].get(k, {}).get("kld_mean") for r in reports]) for k in reports[0]["cells"]}
     outl = {}
     for t in ("baseline", "gated"):
@@ -93,7 +99,9 @@ def seed_conclusion(agg: dict) -> list[str]:
     for k, c in agg["comparisons"].items():
         r = c["kld_ratio"]
         verdict = {"gated": "the gated twin loses less", "baseline": "the baseline loses less"}.get(
-            c["verdict"], "not resolved across seeds (the interval holds 1)")
+            c["verdict"], "not resolved across seeds (the interval holds 1)" if not r.get("direction") else
+            "not resolved across seeds (the interval excludes 1, but Holm's correction over the comparisons does not "
+            "keep it)")
         lines.append(f"{k.replace('/', ' ')}: KLD gated/baseline {_fmt(r, '.2f')}, gated lower in {r['below']} of "
                      f"{r['n']} seeds: {verdict}; delta ppl difference {_fmt(c['delta_ppl_diff'], '+.2f')} points; "
                      f"per seed: {', '.join(str(v) for v in c['per_seed_verdicts'])}.")

@@ -9,13 +9,14 @@
   whose magnitude exceeds 100 and is about 1,000x the median magnitude. We take the layer's median |h| over the
   analysed windows (quantgate.outliers).
 
-Intervals resample analysis windows (quantgate.stats); two twins analysed on the same windows are paired.
+Intervals resample the documents the analysis windows come from (quantgate.stats); two twins analysed on the same
+windows are paired.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..stats import NOT_RESOLVED, interval, resolved
+from ..stats import NOT_RESOLVED, bootstrap_test, interval, resolved
 
 SINK_EPSILON = 0.3       # Gu et al. 2024
 MASSIVE_ABS = 100.0      # Sun et al. 2024: magnitude above 100 ...
@@ -51,7 +52,7 @@ def sink_summary(analysis: dict) -> dict | None:
     return {"epsilon": SINK_EPSILON, "uniform": uniform, "readable": uniform < SINK_EPSILON, "heads": len(where),
             "sink_heads": len(sinks), "sink_head_names": sinks, "sink_rate": len(sinks) / len(where),
             "worst": {"layer": where[i][0], "head": where[i][1], "share": float(share[i]),
-                      "ci95": interval(_worst, g)},
+                      "ci95": interval(_worst, g, groups=analysis.get("window_docs"))},
             "mean_share": float(share.mean()), "windows": int(g.shape[0])}
 
 
@@ -66,8 +67,8 @@ def massive_summary(analysis: dict) -> dict:
            "max_over_median": top["max_over_median"], "massive_layers": massive,
            "rule": f"|h| > {MASSIVE_ABS:g} and >= {MASSIVE_RATIO:g}x the layer's median |h|"}
     if per_window is not None:
-        out |= {"window_max_mean": float(per_window.mean()), "window_max_ci95": interval(lambda a: a.mean(axis=1),
-                                                                                        per_window),
+        out |= {"window_max_mean": float(per_window.mean()),
+                "window_max_ci95": interval(lambda a: a.mean(axis=1), per_window, groups=analysis.get("window_docs")),
                 "window_max": per_window.tolist()}
     return out
 
@@ -83,17 +84,25 @@ def twin_outliers(baseline: dict, gated: dict) -> dict:
     out: dict = {"paired": paired(baseline, gated)}
     if not out["paired"]:
         return out
+    docs = baseline.get("window_docs")
     mb, mg = (massive_summary(x).get("window_max") for x in (baseline, gated))
     if mb and mg:
-        ci = interval(lambda a, b: a.mean(axis=1) / b.mean(axis=1), mb, mg)
-        out["max_abs_ratio"] = {"point": float(np.mean(mb) / np.mean(mg)), "ci95": ci,
-                                "verdict": resolved(ci, 1.0, "gated larger", "baseline larger")}
+        ci, p = bootstrap_test(lambda a, b: a.mean(axis=1) / b.mean(axis=1), mb, mg, null=1.0, groups=docs)
+        out["max_abs_ratio"] = settle_outlier({"point": float(np.mean(mb) / np.mean(mg)), "ci95": ci, "p": p,
+                                               "null": 1.0, "names": ["gated larger", "baseline larger"]})
     gb, gg = bos_grid(baseline), bos_grid(gated)
     if gb and gg:
-        ci = interval(lambda a, b: _worst(a) - _worst(b), gb[0], gg[0])
-        out["worst_bos_diff"] = {"point": float(gb[0].mean(0).max() - gg[0].mean(0).max()), "ci95": ci,
-                                 "verdict": resolved(ci, 0.0, "gated higher", "baseline higher")}
+        ci, p = bootstrap_test(lambda a, b: _worst(a) - _worst(b), gb[0], gg[0], null=0.0, groups=docs)
+        out["worst_bos_diff"] = settle_outlier({"point": float(gb[0].mean(0).max() - gg[0].mean(0).max()), "ci95": ci,
+                                                "p": p, "null": 0.0, "names": ["gated higher", "baseline higher"]})
     return out
+
+
+def settle_outlier(d: dict, keep: bool = True) -> dict:
+    """The verdict of one outlier difference: what its interval resolves, unless Holm's correction over the
+    report does not keep it (`keep` False)."""
+    v = resolved(d["ci95"], d["null"], *d["names"]) if keep else NOT_RESOLVED
+    return {**d, "verdict": v}
 
 
 def _ci(ci, spec: str = ".3f") -> str:

@@ -38,6 +38,23 @@ QUANTIZED_KV = ("q8_0", "q4_0")  # llama.cpp needs flash attention for a quantiz
 GenerationStats = Done  # the name before quantgate.sampling, kept for one release
 
 
+def attn_rotation(head_dim: int, kv_type: str, env=os.environ) -> dict:
+    """Whether llama.cpp rotates Q/K (and V/the output) by a Walsh-Hadamard matrix for this KV cache: its own rule
+    (llama-kv-cache.cpp, llama.cpp PR #21038, in the llama.cpp llama-cpp-python 0.3.36 bundles): on for a quantized
+    K (V) cache whose head dimension is a multiple of 64, unless LLAMA_ATTN_ROT_DISABLE is set to a non-zero number.
+    A rotated cache quantizes outliers spread over the head, so a KV-quantization arm must say which way it ran
+    (tests/test_gguf.py checks this rule against llama.cpp's logits)."""
+    try:
+        disabled = bool(int(env.get("LLAMA_ATTN_ROT_DISABLE", "0") or 0))
+    except ValueError:  # llama.cpp reads it with atoi: text that is not a number means 0
+        disabled = False
+    on = kv_type in QUANTIZED_KV and head_dim % 64 == 0 and not disabled
+    why = ("on" if on else "off: LLAMA_ATTN_ROT_DISABLE is set" if disabled and kv_type in QUANTIZED_KV
+           else f"off: head dimension {head_dim} is not a multiple of 64" if kv_type in QUANTIZED_KV
+           else "off: the KV cache is not quantized")
+    return {"k": on, "v": on, "reading": f"llama.cpp's Q/K/V Hadamard rotation {why}"}
+
+
 # --- parent ----------------------------------------------------------------------------------------
 
 class LlamaRunner:
@@ -55,6 +72,7 @@ class LlamaRunner:
             raise QuantgateError(f"a context of {n_ctx} tokens is longer than {path}'s own context of "
                                  f"{self.info.context_length} tokens")
         self.path, self.kv_type, self.device = Path(path), kv_type, device
+        self.kv_rotation = attn_rotation(self.info.head_dim, kv_type)
         self.name = name or f"llama.cpp:{self.path.name}"
         self.vocab_size = self.info.vocab_size
         threads = threads or min(os.cpu_count() or 1, 8)

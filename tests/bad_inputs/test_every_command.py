@@ -2,6 +2,8 @@
 export, generate, info): one `error:` line, exit code 2, nothing written, the inputs untouched."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from conftest import dir_snapshot, run_cli, save_tiny_twins
@@ -12,7 +14,19 @@ def work(tmp_path_factory):
     d = save_tiny_twins(tmp_path_factory.mktemp("every"), "t.txt")
     (d / "bin.txt").write_bytes(b"abc\x00\x01def" * 40)
     (d / "afile").write_text("a file where a folder must be\n")
+    os.mkfifo(d / "fifo")  # nothing ever writes to it: reading it would block for good
+    _wide_twin(d)
     return d
+
+
+def _wide_twin(d):
+    """The gated twin with 100 more (unused) vocabulary rows and no tokenizer: same ids, another vocabulary."""
+    import dataclasses
+    from quantgate.formats import load_checkpoint, save_checkpoint
+    from quantgate.model import build_model
+    m = load_checkpoint(d / "gated").model
+    wide = build_model(dataclasses.replace(m.cfg, vocab_size=400, extra={}), seed=0)
+    save_checkpoint(wide, d / "wide")
 
 
 REPORT = ["report", "--models", "{d}/baseline", "{d}/gated"]  # the twins in the right order
@@ -40,6 +54,21 @@ CASES = {
     "train out under a file": (["train", "--preset", "tiny", "--data", "{d}/t.txt", "--steps", "2",
                                 "--out", "{d}/afile/run"], "which is a file"),
     "train unknown preset": (["train", "--preset", "huge", "--out", "{out}/run"], "'huge' is not one of"),
+    "train lr nan": (["train", "--preset", "tiny", "--data", "{d}/t.txt", "--steps", "2", "--lr", "nan",
+                      "--out", "{out}/run"], "is not a finite number"),
+    "train weight decay nan": (["train", "--preset", "tiny", "--data", "{d}/t.txt", "--steps", "2", "--weight-decay",
+                                "NaN", "--out", "{out}/run"], "is not a finite number"),
+    "train grad clip inf": (["train", "--preset", "tiny", "--data", "{d}/t.txt", "--steps", "2", "--grad-clip", "inf",
+                             "--out", "{out}/run"], "--grad-clip"),
+    "generate temperature nan": (["generate", "{d}/gated", "--prompt", "x", "--temperature", "nan"],
+                                 "is not a finite number"),
+    # text is read from regular files only: a device never ends, a FIFO never returns
+    "train data a device": (["train", "--preset", "tiny", "--data", "/dev/zero", "--steps", "2", "--out", "{out}/run"],
+                            "not a regular file"),
+    "eval data a fifo": (["eval", "{d}/gated", "--data", "{d}/fifo"], "not a regular file"),
+    "analyze data a device": (["analyze", "{d}/gated", "--data", "/dev/urandom"], "not a regular file"),
+    "eval reference with another vocabulary": (["eval", "{d}/gated", "--data", "{d}/t.txt", "--ctx", "32",
+                                                "--max-windows", "1", "--reference", "{d}/wide"], "vocabulary of 400"),
     "train zero steps": (["train", "--preset", "tiny", "--data", "{d}/t.txt", "--steps", "0",
                           "--out", "{out}/run"], "Invalid value for '--steps'"),
     "export unknown format": (["export", "tflite", "{d}/gated", "--out", "{out}/x"], "No such command 'tflite'"),
@@ -61,4 +90,4 @@ def test_bad_input_gives_one_line(work, tmp_path, name):
     assert lines[0].startswith("error: ") and needle in lines[0], lines[0]
     assert list(tmp_path.iterdir()) == []  # nothing written, not even an empty folder
     assert dir_snapshot(work) == before and sorted(p.name for p in work.iterdir()) == sorted(
-        ["afile", "baseline", "bin.txt", "gated", "t.txt"])
+        ["afile", "baseline", "bin.txt", "fifo", "gated", "t.txt", "wide"])

@@ -109,3 +109,50 @@ def test_symlinked_output_to_an_input_is_refused(cli_server, work, tmp_path):
     assert_refused(cli_server.run("quantize", work / "gated", "--scheme", "w8a16", "--out", tmp_path / "link"),
                    "is the input")
     assert tree_snapshot(work.parent) == before and (tmp_path / "link").is_symlink()
+
+
+def test_plots_never_overwrite_a_users_file_in_an_unmarked_folder(cli_server, work, tmp_path):
+    """A folder holding only PNGs named like quantgate's plots is still the user's: no marker, no licence."""
+    mine = tmp_path / "figures"
+    mine.mkdir()
+    (mine / "max_activation.png").write_bytes(b"the user's own figure")
+    before = tree_snapshot(tmp_path)
+    r = cli_server.run("analyze", work / "gated", "--data", work / "t.txt", *TINY, "--plots", mine, timeout=300)
+    assert_refused(r, "quantgate did not write")
+    assert tree_snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("cmd", ["quantize torch", "export gguf", "analyze --json"])
+def test_a_symlink_at_the_output_is_never_replaced(cli_server, work, tmp_path, cmd):
+    """Even a link to quantgate's own artifact: the link stays a link, its target unchanged."""
+    argv, flag = COMMANDS[cmd]
+    target = tmp_path / ("real.gguf" if cmd == "export gguf" else "real.json" if cmd == "analyze --json" else "real")
+    r = cli_server.run(*[a.format(w=work) for a in argv], flag, target, timeout=300)
+    assert r.code == 0, r.stderr[-2000:]
+    (tmp_path / "link").symlink_to(target)
+    before = tree_snapshot(tmp_path)
+    r = cli_server.run(*[a.format(w=work) for a in argv], flag, tmp_path / "link", timeout=300)
+    assert_refused(r, "symbolic link")
+    assert tree_snapshot(tmp_path) == before and (tmp_path / "link").is_symlink()
+
+
+def test_a_marker_alone_licenses_no_deletion(cli_server, work, tmp_path):
+    """quantgate.json's file list is not proof: a listed file whose content changed, or a marker without the content
+    hashes quantgate records, stops the replacement; the folder is kept as it is."""
+    q = tmp_path / "q"
+    r = cli_server.run("quantize", work / "gated", "--scheme", "w8a16", "--out", q)
+    assert r.code == 0, r.stderr[-2000:]
+    (q / "tokenizer_config.json").write_text('{"the user": "edited this"}')  # a listed name, other content
+    before = tree_snapshot(tmp_path)
+    assert_refused(cli_server.run("quantize", work / "gated", "--scheme", "w8a16", "--out", q),
+                   "not what quantgate wrote")
+    assert tree_snapshot(tmp_path) == before
+    forged = tmp_path / "forged"
+    forged.mkdir()
+    (forged / "model.safetensors").write_bytes(b"the user's weights")
+    (forged / "quantgate.json").write_text('{"artifact": "checkpoint", "files": ["model.safetensors", '
+                                           '"quantgate.json"]}')
+    before = tree_snapshot(tmp_path)
+    assert_refused(cli_server.run("quantize", work / "gated", "--scheme", "w8a16", "--out", forged),
+                   "without the content hashes")
+    assert tree_snapshot(tmp_path) == before

@@ -22,7 +22,12 @@ CONTEXT = 512  # the tiny preset's max_seq_len, which the twins below keep
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     from quantgate.quantize import quantize_checkpoint
+    from quantgate.formats import save_checkpoint
+    from quantgate.model import build_model, hybrid, preset
+    from quantgate.tokenizer import byte_tokenizer
     d = save_tiny_twins(tmp_path_factory.mktemp("values"))
+    save_checkpoint(build_model(hybrid(preset("tiny", vocab_size=300, n_layers=4, gate="elementwise"))),
+                    d / "hybrid", byte_tokenizer())
     quantize_checkpoint(str(d / "gated"), "w8a8-static", str(d / "q"), str(d / "text.txt"), 2, 32)
     export_gated_twin(d)
     r = run_cli("quantize", str(d / "g.gguf"), "--type", "Q8_0", "--out", str(d / "g8.gguf"))
@@ -69,6 +74,20 @@ def _gguf_value(key: str, value: int):
         at, width = _gguf_field_offset(path, key)
         raw[at:at + width] = value.to_bytes(width, "little")
         path.write_bytes(bytes(raw))
+    return fn
+
+
+def _gguf_add_string(key: str, value: str):
+    """A copy of the GGUF with one more string key, written by gguf-py's own metadata copier."""
+    def fn(path):
+        import gguf
+        from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+        reader = gguf.GGUFReader(str(path))
+        tmp = path.with_name(path.name + ".new")
+        writer = gguf.GGUFWriter(str(tmp), arch=str(reader.get_field("general.architecture").contents()))
+        copy_with_new_metadata(reader, writer, {key: MetadataDetails(gguf.GGUFValueType.STRING, value)}, [])
+        del reader
+        tmp.replace(path)
     return fn
 
 
@@ -126,6 +145,26 @@ CASES = {  # name -> (artifact to copy, edit(path) or None, argv, needle)
                                          ["info", "{m}"], "multiple of n_kv_heads"),
     "rope theta zero": ("baseline", lambda p: _edit_json(p / "config.json", _set("rope_theta", 0)), ["info", "{m}"],
                         "rope_theta must be a positive number"),
+    # rope settings: a scaled rope, or a block of the wrong shape, never runs as plain rope (transformers 5 keeps
+    # these in rope_parameters, transformers 4 in rope_scaling; both are read)
+    "rope_parameters yarn": ("baseline", lambda p: _edit_json(p / "config.json", _set("rope_parameters", {
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 128})),
+        ["eval", "{m}", *EVAL], "rope_parameters.rope_type \"yarn\" is a scaled rope"),
+    "rope_scaling linear": ("gated", lambda p: _edit_json(p / "config.json", _set("rope_scaling", {
+        "type": "linear", "factor": 2.0})), ["info", "{m}"], "rope_scaling.rope_type \"linear\""),
+    "rope_parameters llama3 (hybrid)": ("hybrid", lambda p: _edit_json(p / "config.json", lambda c: c[
+        "rope_parameters"].update(rope_type="llama3", factor=8.0)), ["info", "{m}"], "\"llama3\" is a scaled rope"),
+    "rope_parameters a list": ("baseline", lambda p: _edit_json(p / "config.json", _set("rope_parameters", [
+        {"rope_type": "default", "rope_theta": 1e6}])), ["info", "{m}"], "rope_parameters must be a JSON object"),
+    "rope_parameters per layer type": ("baseline", lambda p: _edit_json(p / "config.json", _set("rope_parameters", {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6}})), ["info", "{m}"], "per-layer-type"),
+    "rope theta a string inside rope_parameters": ("hybrid", lambda p: _edit_json(p / "config.json", lambda c: c[
+        "rope_parameters"].update(rope_theta="1e7")), ["info", "{m}"], "rope_parameters.rope_theta must be"),
+    "partial rotary on a qwen3 model": ("baseline", lambda p: _edit_json(p / "config.json", _set(
+        "rope_parameters", {"rope_type": "default", "partial_rotary_factor": 0.5})), ["info", "{m}"],
+        "partial_rotary_factor 0.5 is not part of a qwen3 model"),
+    "gguf rope scaled (yarn)": ("g.gguf", _gguf_add_string("qwen35.rope.scaling.type", "yarn"),
+                                ["eval", "{m}", *EVAL], "a scaled rope"),
     "layers as a string": ("baseline", lambda p: _edit_json(p / "config.json", _set("num_hidden_layers", "2")),
                            ["info", "{m}"], "num_hidden_layers must be an integer"),
     "bos outside the vocabulary": ("baseline", lambda p: _edit_json(p / "config.json", _set("bos_token_id", 9999)),
