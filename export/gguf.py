@@ -31,7 +31,7 @@ from quantgate.formats.gguf_layout import (BLOCK_TENSORS, GGUF_ARCHS, GLOBAL_TEN
                                            rope_sections)
 from quantgate.formats.hf import STORED_DTYPES, available_memory, open_hf
 from quantgate.fsio import atomic_path, check_output
-from quantgate.model import Model, ModelConfig, without_attention
+from quantgate.model import Model, ModelConfig, pytorch_only, without_attention
 from quantgate.progress import track
 from quantgate.tokenizer import Tokenizer
 
@@ -263,6 +263,7 @@ def write_gguf(cfg: ModelConfig, sd: Mapping, meta_sd: Mapping, tokenizer: Token
         raise QuantgateError("the model has no tokenizer.json: a GGUF must embed its tokenizer")
     if not cfg.qk_norm:
         raise QuantgateError("llama.cpp's qwen3/qwen35 graphs always apply QK-norm; models without it cannot be exported")
+    pytorch_only(cfg, "GGUF export (llama.cpp runs rope models)")
     why = without_attention(cfg)
     if why:
         raise QuantgateError(why)

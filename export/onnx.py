@@ -27,7 +27,7 @@ from quantgate.formats.onnx_io import EXTERNAL_DATA, INLINE_LIMIT, io_names, onn
 from quantgate.fsio import atomic_dir, check_output
 from quantgate.info import header_config, param_count
 from quantgate.layouts import DEFAULT_LAYOUT_FOR_GATE, LAYOUTS
-from quantgate.model import Model, without_attention
+from quantgate.model import Model, pytorch_only, without_attention
 
 from .onnx_gqa import build_gqa_graph
 from .onnx_stream import (DecoderWithPast, example_inputs, export_copy, plan_bytes, trace_graph,  # noqa: F401
@@ -148,6 +148,7 @@ def _export(cfg, tokenizer, out_dir: str | Path, write, opset: int, graph: str, 
     check_output(out_dir, "onnx", inputs)
     if cfg.is_moe:
         raise QuantgateError(MOE_REFUSAL)
+    pytorch_only(cfg, "ONNX export")
     if without_attention(cfg):
         raise QuantgateError(without_attention(cfg))
     if cfg.is_hybrid and graph == "gqa":

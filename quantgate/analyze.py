@@ -12,6 +12,7 @@ import numpy as np
 
 from .calib_data import (check_ctx, data_paths, default_split, load_corpus, sample_windows, sampled_documents,
                          tokenize_corpus)
+from .calib_data.synthetic import BIGRAM_BACKCOPY, TRIGGERS
 from .errors import QuantgateError
 from .formats import artifact_kind, load_checkpoint
 from .formats.hf import open_hf
@@ -19,6 +20,15 @@ from .layerwise import LayerwiseModel, needs_layerwise
 from .fsio import atomic_file, check_output, claim_folder, write_json
 from .gate_survival import check_gate_survival
 from .outliers import analyze_layerwise, analyze_model
+
+
+def nontrigger_queries(data: str, tok, windows: np.ndarray) -> np.ndarray | None:
+    """On Bigram-Backcopy, [N, T] True where the token is not a trigger (the queries Guo et al. read a sink over);
+    None for other text, which has no triggers."""
+    if str(data) != BIGRAM_BACKCOPY:
+        return None
+    ids = [i for t in TRIGGERS for i in tok.encode(t)]
+    return ~np.isin(windows, ids)
 
 
 def analyze(model_path: str, data: str = "embedded", ctx: int = 256, n_windows: int = 32, split: str = "auto",
@@ -44,7 +54,11 @@ def analyze(model_path: str, data: str = "embedded", ctx: int = 256, n_windows: 
         raise QuantgateError(f"{data}: the {split} split is empty")
     stream = tokenize_corpus(corpus, tok)
     windows = sample_windows(stream, n_windows, ctx, seed)
-    rep = analyze_layerwise(lw, windows) if lw is not None else analyze_model(loaded.model, windows)
+    mask = nontrigger_queries(data, tok, windows)
+    rep = (analyze_layerwise(lw, windows, query_mask=mask) if lw is not None
+           else analyze_model(loaded.model, windows, query_mask=mask))
+    if mask is not None:
+        rep["nontrigger_query_share"] = float(mask[:, 1:].mean())
     rep.update(model=str(model_path), gate=cfg.gate, layout=layout, data=str(data), layerwise=lw is not None,
                split=split, seed=seed, corpus_fingerprint=corpus.fingerprint,
                window_docs=sampled_documents(stream, n_windows, ctx, seed).tolist(),  # the bootstrap's units

@@ -72,12 +72,14 @@ FAST_WINDOWS = 16       # both, under --fast (the fewest that give an interval: 
 # The sink lab (`quantgate demo --lab sinks`): twins trained on Guo et al.'s Bigram-Backcopy task
 # (calib_data.synthetic), whose small transformers grow attention sinks; recipe from benchmarks/sink_lab_recipe.py.
 LAB_RECIPES = {
-    # benchmarks/results/sink_lab_recipe.json: of the recipes tried within ~2 minutes per pair on one thread, this
-    # one separated the twins most (two heads of 32 per layer, one KV head, constant lr); no recipe tried took a
-    # baseline head past Gu et al.'s 0.3, so the lab shows what this size does, sink or not
-    "sinks": dict(preset="tiny", data="synthetic:bigram-backcopy", byte_tokenizer=True, steps=1000, batch_size=8,
-                  ctx=128, lr=3e-3, min_lr_frac=1.0, warmup=30, weight_decay=0.1,
-                  model_overrides=dict(n_heads=2, n_kv_heads=1, head_dim=32)),
+    # Guo et al.'s setting (one layer, one head; their data: triggers the most frequent symbols) with quantgate's model
+    # and one lab-only switch, learned absolute positions in place of rope (ModelConfig.positions). Measured in the
+    # search behind benchmarks/sink_lab_recipe.py, baseline only, non-trigger BOS share in seeds 0/1/2: this model with
+    # rope 0.62/0.37/0.89 after 4000 steps; with learned positions 1.00/1.00/1.00 (0.94/0.65/0.81 after 1000 steps).
+    "sinks": dict(preset="tiny", data="synthetic:bigram-backcopy", byte_tokenizer=True, steps=4000, batch_size=8,
+                  ctx=64, lr=3e-3, min_lr_frac=1.0, warmup=30, weight_decay=0.1,
+                  model_overrides=dict(dim=128, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=64, ffn_dim=512,
+                                       positions="learned")),
 }
 LAB_SCHEMES = {"torch": ["w8a8-static", "w8a8-static-sink", "w4a16-g32", "kv-int4"]}  # W8A8 per-tensor static,
 # its sink-aware variant, INT4 weight-only and a 4-bit KV cache

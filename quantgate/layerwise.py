@@ -23,7 +23,7 @@ import torch
 from .capture import Hook, hooked
 from .formats.hf import HFCheckpoint, fp32_load
 from .memory import release_freed
-from .model import Model, rope_cache
+from .model import Model, pytorch_only, rope_cache
 from .quant.simulate import apply_saved_quantization, saved_kv_bits
 from .progress import track
 
@@ -34,6 +34,7 @@ class LayerwiseModel:
     """`ckpt` (an opened, checked model directory) run block by block; see the module docstring."""
 
     def __init__(self, ckpt: HFCheckpoint):
+        pytorch_only(ckpt.cfg, "the layer-by-layer path")  # it adds no position table to the embeddings
         self.ckpt, self.cfg = ckpt, ckpt.cfg
         with torch.device("meta"):
             self.model = Model(self.cfg).eval()

@@ -26,6 +26,7 @@ from .model import ModelConfig, rope_sections
 # ours -> theirs. `{i}` is the layer index. q_proj/g_proj are handled by the layout's fuse/split.
 GLOBAL_NAMES = {
     "embed_tokens.weight": "model.embed_tokens.weight",
+    "embed_positions.weight": "model.embed_positions.weight",  # the sink lab's learned positions (quantgate_lab)
     "norm.weight": "model.norm.weight",
     "lm_head.weight": "lm_head.weight",
 }
@@ -117,6 +118,7 @@ class Layout:
     hybrid_ok: bool = False           # holds Gated DeltaNet layers
     zero_gate_baseline: bool = False  # holds a gate-free model as zero gate rows and o_proj doubled
     moe: bool = False                 # holds mixture-of-experts models (and only those)
+    lab: bool = False                 # holds sink-lab models (learned positions; and only those)
     multimodal_type: str = ""         # the model_type of its multimodal checkpoints (text model nested)
     omitted_keys: tuple[str, ...] = ()  # shared config.json keys its config class does not have
     description: str = ""
@@ -156,12 +158,19 @@ class Layout:
     def check_config(self, hf: dict, f, n_layers: int, where: str) -> None:
         """Refuse a config.json of this model_type that uses features quantgate does not run."""
 
+    def lab_fields(self, f) -> dict:
+        """ModelConfig fields only the sink-lab layout sets (where positions enter)."""
+        return {}
+
     def ffn_fields(self, f) -> dict:
         """Our MLP's ModelConfig fields from config.json: the dense FFN width (a MoE layout adds its experts)."""
         return {"ffn_dim": f.int("intermediate_size", hi=1 << 20)}
 
     def cannot_hold(self, cfg: ModelConfig) -> str | None:
         """Why a model with `cfg` cannot be written in this layout (None: it can), from the row's flags."""
+        if cfg.is_lab != self.lab:
+            return ("a sink-lab model (learned absolute positions) can only be written in the quantgate_lab layout"
+                    if cfg.is_lab else f"the {self.name} layout holds sink-lab models only")
         if cfg.is_moe != self.moe:
             return (f"a mixture-of-experts model can only be written in the qwen3_5_moe layout, not {self.name}"
                     if cfg.is_moe else f"the {self.name} layout holds mixture-of-experts models only")
@@ -228,6 +237,49 @@ class Official(Layout):
     def fuse_q(self, q: torch.Tensor, g: torch.Tensor, cfg: ModelConfig):
         D = q.shape[-1]
         return torch.cat([q.view(cfg.n_kv_heads, -1, D), g.view(cfg.n_kv_heads, -1, D)], dim=1).reshape(-1, D)
+
+
+class QuantgateLab(Official):
+    """quantgate's sink-lab models (`quantgate demo --lab sinks`): the official layout's names and per-KV-group q|gate
+    rows (or plain q rows for a baseline), QK-norm optional, plus `model.embed_positions.weight`, a learned absolute
+    position table that replaces rope. Its own model_type, so no stock loader runs it as a rope model; quantgate
+    runs it in PyTorch only."""
+    name, model_type, architecture = "quantgate_lab", "quantgate_lab", "QuantgateLabForCausalLM"
+    lab = True
+    description = "quantgate's sink lab (learned absolute positions, no rope; PyTorch only)"
+
+    def matches(self, hf: dict) -> bool:
+        return hf.get("model_type") == self.model_type
+
+    def cannot_hold(self, cfg: ModelConfig) -> str | None:
+        if not cfg.is_lab:
+            return f"the {self.name} layout holds sink-lab models only"
+        if cfg.is_hybrid or cfg.is_moe:
+            return "a sink-lab model is all full attention, with a dense MLP"
+        return None
+
+    def gate_of(self, f) -> str:
+        gate = f.hf.get("attn_output_gate", "none")
+        if gate not in ("none", "headwise", "elementwise"):
+            raise QuantgateError(f"{f.where}: attn_output_gate must be none, headwise or elementwise, got "
+                                 f"{json.dumps(gate)[:40]}")
+        return gate
+
+    def lab_fields(self, f) -> dict:
+        pos = f.hf.get("position_embedding", "learned")
+        if pos != "learned":
+            raise QuantgateError(f"{f.where}: position_embedding must be 'learned' in a quantgate_lab config, got "
+                                 f"{json.dumps(pos)[:40]}")
+        return {"positions": "learned"}
+
+    def config_fields(self, cfg: ModelConfig) -> dict:
+        return {"attn_output_gate": cfg.gate, "position_embedding": cfg.positions, "use_qk_norm": cfg.qk_norm}
+
+    def split_q(self, w: torch.Tensor, cfg: ModelConfig):
+        return (w, None) if cfg.gate == "none" else super().split_q(w, cfg)
+
+    def fuse_q(self, q: torch.Tensor, g, cfg: ModelConfig):
+        return q if g is None else super().fuse_q(q, g, cfg)
 
 
 class Qwen3Next(Layout):
@@ -340,6 +392,10 @@ class Qwen35Moe(Qwen35):
         if hf.get("mlp_only_layers"):
             raise QuantgateError(f"{where}: mlp_only_layers (dense layers in a MoE model) is not supported")
 
+    def lab_fields(self, f) -> dict:
+        """ModelConfig fields only the sink-lab layout sets (where positions enter)."""
+        return {}
+
     def ffn_fields(self, f) -> dict:
         E = f.int("num_experts", 256, hi=1 << 16)
         shared = f.int("shared_expert_intermediate_size", 512, hi=1 << 20)
@@ -426,7 +482,8 @@ def _check_dense_full_attention(hf: dict, f, n_layers: int, where: str) -> None:
                              f"(dense models only: mlp_only_layers must cover every layer)")
 
 
-LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (Qwen3(), Official(), Qwen3Next(), Qwen35(), Qwen35Moe())}
+LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in (Qwen3(), Official(), Qwen3Next(), Qwen35(), Qwen35Moe(),
+                                                         QuantgateLab())}
 
 DEFAULT_LAYOUT_FOR_GATE = {"none": "qwen3", "headwise": "official", "elementwise": "qwen3_next"}
 

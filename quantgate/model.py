@@ -30,6 +30,7 @@ from .qlinear import fake_quant_per_token
 
 GATE_MODES = ("none", "headwise", "elementwise")
 LAYER_TYPES = ("full_attention", "linear_attention")
+POSITIONS = ("rope", "learned")
 
 
 @dataclass
@@ -66,6 +67,11 @@ class ModelConfig:
     n_experts_used: int = 0
     expert_ffn_dim: int = 0
     shared_expert_ffn_dim: int = 0
+    # Where positions enter: "rope" (every layout's) or "learned", a table of absolute position embeddings added to
+    # the token embeddings and no rotation: the sink lab's switch (quantgate demo --lab sinks), since on
+    # Bigram-Backcopy a RoPE model's copy head goes dormant on BOS in some seeds only (benchmarks/sink_lab_recipe.py).
+    # Such a model is saved in the quantgate_lab layout and runs in PyTorch only.
+    positions: str = "rope"
     extra: dict = field(default_factory=dict)  # provenance (source layout, model name), never read by forward
 
     def __post_init__(self) -> None:
@@ -93,6 +99,8 @@ class ModelConfig:
                 raise ValueError(f"{name} {v!r} is not a token id of the {self.vocab_size}-token vocabulary")
         self._check_layer_types()
         self._check_experts()
+        if self.positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {POSITIONS}, got {self.positions!r}")
 
     def _check_experts(self) -> None:
         for name in ("n_experts", "n_experts_used", "expert_ffn_dim", "shared_expert_ffn_dim"):
@@ -142,6 +150,11 @@ class ModelConfig:
     def is_hybrid(self) -> bool:
         """Any Gated DeltaNet layer (Qwen3.5-style hybrid)."""
         return self.layer_types is not None and "linear_attention" in self.layer_types
+
+    @property
+    def is_lab(self) -> bool:
+        """A sink-lab model (learned absolute positions): PyTorch only, saved in the quantgate_lab layout."""
+        return self.positions != "rope"
 
     @property
     def is_moe(self) -> bool:
@@ -201,6 +214,15 @@ def hybrid(cfg: ModelConfig, interval: int = 4, value_heads_per_key_head: int = 
                    linear_value_dim=cfg.head_dim, linear_conv_kernel=4)
 
 
+def pytorch_only(cfg: ModelConfig, what: str) -> None:
+    """Refuse a sink-lab model (learned positions) in what runs only rope models: exports, SmoothQuant, the
+    layer-by-layer path (one line, before any work)."""
+    if cfg.is_lab:
+        raise QuantgateError(f"{what} does not take sink-lab models (learned absolute positions, the quantgate_lab "
+                             f"layout); they run in PyTorch: train, eval, analyze, quantize --backend torch, report "
+                             f"--backends torch")
+
+
 def without_attention(cfg: ModelConfig) -> str | None:
     """Why a hybrid whose every layer is Gated DeltaNet cannot be exported (None when it has full attention): with no
     attention there is no attention gate to carry, and quantgate's GGUF and ONNX readers, as llama.cpp's qwen35 graph
@@ -227,6 +249,10 @@ def rope_cache(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor,
     """cos/sin of shape [T, rotary_dim] (or [B, T, rotary_dim] for [B, T] positions) in NEOX (rotate-half)
     order, computed in fp32."""
     r = cfg.rotary_dim
+    if cfg.positions == "learned":  # no rotation: cos 1, sin 0 (the positions are in the embeddings)
+        shape = (*positions.shape, r)
+        return (torch.ones(shape, dtype=torch.float32, device=positions.device),
+                torch.zeros(shape, dtype=torch.float32, device=positions.device))
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32, device=positions.device) / r))
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
@@ -565,6 +591,7 @@ class Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.embed_positions = nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.positions == "learned" else None
         self.layers = nn.ModuleList(Block(cfg, cfg.layer_type(i)) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -605,6 +632,8 @@ class Model(nn.Module):
             torch.arange(start_pos, start_pos + T, device=idx.device)
         cos, sin = rope_cache(self.cfg, positions)
         h = self.embed_tokens(idx)
+        if self.embed_positions is not None:
+            h = h + self.embed_positions(positions)
         presents, probs, hidden = [], [], []
         for i, layer in enumerate(self.layers):
             h, present, p = layer(h, cos, sin, None if past is None else past[i], probe, key_mask, kv_bits)

@@ -68,6 +68,9 @@ class LayerAccumulator:
     bos_sum: torch.Tensor | None = None  # per head
     bos_count: int = 0
     bos_windows: list = field(default_factory=list)  # per window: [H] mean share on BOS (the bootstrap's units)
+    bos_sel_sum: torch.Tensor | None = None  # the same over the selected queries only (query_mask: non-triggers)
+    bos_sel_count: int = 0
+    bos_sel_windows: list = field(default_factory=list)
     max_windows: list = field(default_factory=list)  # per window: its largest |h|
     gate_sum: torch.Tensor | None = None
     gate_low: torch.Tensor | None = None
@@ -99,8 +102,12 @@ class OutlierCollector:
     """What the analysis records while windows run through a model (quantgate.capture attaches its hooks and
     calls `layer` after each block), read back as a report dict."""
 
-    def __init__(self, model: Model, top_k: int = 8, seed: int = 0):
+    def __init__(self, model: Model, top_k: int = 8, seed: int = 0, query_mask: np.ndarray | None = None):
+        """query_mask [N, T] (the analysed windows): the queries a second BOS share is averaged over, beside the
+        one over all queries; on Bigram-Backcopy the non-trigger positions, where Guo et al. read the sink (a copy
+        head is active on triggers and dormant, parked on BOS, elsewhere)."""
         self.model, self.top_k = model, top_k
+        self.query_mask = None if query_mask is None else torch.as_tensor(query_mask, dtype=torch.bool)
         self.layers = [LayerAccumulator() for _ in model.layers]
         self.linear: dict[str, Moments] = {}
         # one sampler per layer: the |h| sample a layer keeps for its median does not depend on the order in which
@@ -210,6 +217,13 @@ class OutlierCollector:
         acc.bos_sum = bos.sum(dim=(0, 2)) if acc.bos_sum is None else acc.bos_sum + bos.sum(dim=(0, 2))
         acc.bos_count += bos.shape[0] * bos.shape[2]
         acc.bos_windows += bos.mean(dim=2).tolist()
+        if self.query_mask is not None:
+            sel = self.query_mask[self._windows_seen:self._windows_seen + B, 1:].float()[:, None, :]  # [B, 1, T-1]
+            n = sel.sum(dim=2).clamp(min=1)  # [B, 1]: a window with no such query counts as share 0 over 1
+            acc.bos_sel_sum = ((bos * sel).sum(dim=(0, 2)) if acc.bos_sel_sum is None
+                               else acc.bos_sel_sum + (bos * sel).sum(dim=(0, 2)))
+            acc.bos_sel_count += int(sel.sum())
+            acc.bos_sel_windows += ((bos * sel).sum(dim=2) / n).tolist()
 
     def report(self) -> dict:
         layers = []
@@ -225,6 +239,9 @@ class OutlierCollector:
                 "bos_attention": bos, "bos_attention_mean": None if bos is None else float(np.mean(bos)),
                 "max_abs_windows": acc.max_windows, "bos_attention_windows": acc.bos_windows or None,
             }
+            if acc.bos_sel_count:
+                entry["bos_attention_nontrigger"] = (acc.bos_sel_sum / acc.bos_sel_count).tolist()
+                entry["bos_attention_nontrigger_windows"] = acc.bos_sel_windows
             if acc.gate_count:
                 entry["gate_mean"] = (acc.gate_sum / acc.gate_count).tolist()
                 entry["gate_frac_below_0.1"] = (acc.gate_low / acc.gate_count).tolist()
@@ -257,18 +274,20 @@ def routing_stats(acc: LayerAccumulator) -> dict:
             "shared_gate_frac_below_0.1": acc.shared_low / acc.shared_count}
 
 
-def analyze_model(model: Model, windows: np.ndarray, batch: int = 4, top_k: int = 8) -> dict:
-    """Outlier report of `model` over `windows` ([N, T] int64, BOS first)."""
-    col = OutlierCollector(model, top_k=top_k)
+def analyze_model(model: Model, windows: np.ndarray, batch: int = 4, top_k: int = 8,
+                  query_mask: np.ndarray | None = None) -> dict:
+    """Outlier report of `model` over `windows` ([N, T] int64, BOS first); query_mask: see OutlierCollector."""
+    col = OutlierCollector(model, top_k=top_k, query_mask=query_mask)
     capture(model, windows, pre=col.pre_hooks(), post=col.post_hooks(), batch=batch, label="analyze", probe=True,
             on_layer=col.layer)
     return col.report()
 
 
-def analyze_layerwise(lw, windows: np.ndarray, batch: int = 4, top_k: int = 8) -> dict:
+def analyze_layerwise(lw, windows: np.ndarray, batch: int = 4, top_k: int = 8,
+                      query_mask: np.ndarray | None = None) -> dict:
     """analyze_model for a checkpoint run block by block (quantgate.layerwise.LayerwiseModel): the same hooks on its
     modules, the same report; the output head's input is measured from the final hidden states."""
-    col = OutlierCollector(lw.model, top_k=top_k)
+    col = OutlierCollector(lw.model, top_k=top_k, query_mask=query_mask)
 
     def on_layer(i: int, first: int, h: torch.Tensor, probs) -> None:
         col._windows_seen = first  # where this batch's windows start (the in-memory path counts them as it goes)

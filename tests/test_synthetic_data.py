@@ -7,7 +7,7 @@ import pytest
 
 from quantgate.calib_data import SYNTHETIC_NAMES, calibration_split, data_paths, default_split, load_corpus
 from quantgate.calib_data.synthetic import (BIGRAM_BACKCOPY, SYMBOLS, TRIGGERS, backcopy_violations,
-                                            generate_chains, transition_matrix)
+                                            generate_chains, stationary, transition_matrix, trigger_indices)
 from quantgate.errors import QuantgateError
 from quantgate.tokenizer import byte_tokenizer
 
@@ -23,8 +23,9 @@ def test_named_and_deterministic(corpus):
     assert [d.text for d in again.documents] == [d.text for d in corpus.documents]
     assert again.fingerprint == corpus.fingerprint
     assert 2_000_000 <= corpus.n_chars <= 4_000_000 and len(corpus.documents) >= 1000
-    chains = generate_chains(4, 50, transition_matrix())
-    assert np.array_equal(chains, generate_chains(4, 50, transition_matrix()))
+    probs = transition_matrix()
+    chains = generate_chains(4, 50, probs, trigger_indices(probs))
+    assert np.array_equal(chains, generate_chains(4, 50, probs, trigger_indices(probs)))
 
 
 def test_every_symbol_is_one_byte_token(corpus):
@@ -41,7 +42,8 @@ def test_backcopy_rule_holds(corpus):
     assert sum(backcopy_violations(d.text) for d in corpus.documents) == 0
     text = "".join(d.text for d in corpus.documents[:100])
     n_trig = sum(text.count(t) for t in TRIGGERS)
-    assert 0.01 < n_trig / len(text) < 0.2  # triggers occur, and often enough to learn the copy
+    # Guo et al.'s rate: the triggers are the most frequent symbols, about a quarter of all positions
+    assert 0.2 < n_trig / len(text) < 0.35
     for d in corpus.documents[:100]:
         assert d.text[0] not in TRIGGERS  # a fresh chain: a trigger always has a symbol before it
         for i in range(1, len(d.text) - 1):
@@ -67,3 +69,15 @@ def test_unknown_synthetic_name_errors():
     with pytest.raises(QuantgateError, match="unknown synthetic corpus synthetic:xyz; choose from "
                                              "synthetic:bigram-backcopy"):
         load_corpus("synthetic:xyz")
+
+
+def test_triggers_are_the_most_frequent_symbols(corpus):
+    """As Guo et al. choose them: the top 3 of the chain's stationary distribution (the back-copy moves the text's own
+    counts a little, so each is among the text's 5 most frequent symbols)."""
+    probs = transition_matrix()
+    pi = stationary(probs)
+    assert np.allclose(pi @ probs, pi) and abs(pi.sum() - 1) < 1e-12
+    assert "".join(SYMBOLS[i] for i in trigger_indices(probs)) == TRIGGERS
+    text = "".join(d.text for d in corpus.documents[:300])
+    counts = {c: text.count(c) for c in SYMBOLS}
+    assert set(TRIGGERS) <= set(sorted(counts, key=counts.get)[-5:])

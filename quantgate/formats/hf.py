@@ -133,7 +133,7 @@ def config_from_hf(hf: dict, path: Path) -> tuple[ModelConfig, Layout]:
             vocab_size=f.int("vocab_size", hi=MAX_VOCAB), dim=f.int("hidden_size", hi=MAX_DIM), n_layers=L, n_heads=H,
             n_kv_heads=f.int("num_key_value_heads", H, hi=MAX_DIM), head_dim=hd,
             **layout.ffn_fields(f), gate=gate,
-            rope_theta=rope_theta, partial_rotary=partial_rotary,
+            rope_theta=rope_theta, partial_rotary=partial_rotary, **layout.lab_fields(f),
             qk_norm=f.bool("use_qk_norm", True), tie_embeddings=f.bool("tie_word_embeddings", False),
             norm_eps=f.float("rms_norm_eps", 1e-6, hi=1.0),
             max_seq_len=f.int("max_position_embeddings", 2048, hi=MAX_CONTEXT),
@@ -301,6 +301,8 @@ def _names(cfg: ModelConfig) -> dict[str, str]:
     names = dict(GLOBAL_NAMES)
     if cfg.tie_embeddings:
         names.pop("lm_head.weight")
+    if cfg.positions != "learned":
+        names.pop("embed_positions.weight")
     for i in range(cfg.n_layers):
         names.update(layer_names(cfg, i))
     return names
@@ -598,7 +600,8 @@ def save_checkpoint(model: Model, out: str | Path, tokenizer: Tokenizer | None =
 
 def layout_for(cfg: ModelConfig, layout: str | None = None) -> Layout:
     """The layout a model is saved in (save_checkpoint's rule, or `layout` by name), refused if it cannot hold it."""
-    name = layout or ("qwen3_5_moe" if cfg.is_moe else "qwen3_5" if cfg.is_hybrid else DEFAULT_LAYOUT_FOR_GATE[cfg.gate])
+    name = layout or ("quantgate_lab" if cfg.is_lab else "qwen3_5_moe" if cfg.is_moe else "qwen3_5" if cfg.is_hybrid
+                      else DEFAULT_LAYOUT_FOR_GATE[cfg.gate])
     if name not in LAYOUTS:
         raise QuantgateError(f"unknown layout {name!r}; choose from {sorted(LAYOUTS)}")
     lay = LAYOUTS[name]

@@ -64,6 +64,8 @@ def aggregate(reports: list[dict]) -> dict:
         o = [r["outliers"][t] for r in reports]
         outl[t] = {"max_abs": across_seeds([x["max_abs"] for x in o]),
                    "worst_head_bos": across_seeds([(x.get("sinks") or {}).get("worst", {}).get("share") for x in o]),
+                   "worst_head_bos_nontrigger": across_seeds([(x.get("sinks") or {}).get("worst_nontrigger", {})
+                                                              .get("share") for x in o]),
                    "sink_heads": across_seeds([(x.get("sinks") or {}).get("sink_heads") for x in o]),
                    "heads": (o[0].get("sinks") or {}).get("heads"), "uniform": o[0]["uniform_bos_share"]}
     diff = {"max_abs_ratio": _across([r["outliers"]["baseline"]["max_abs"] / r["outliers"]["gated"]["max_abs"]
@@ -89,7 +91,10 @@ def seed_conclusion(agg: dict) -> list[str]:
     d = agg["outlier_diff"]
     lines.append(f"Across {n} seeds (unit: one trained twin pair; mean [Student-t 95% interval] (range)): worst-head "
                  f"BOS share baseline {_fmt(ob['worst_head_bos'], '.3f')} vs gated {_fmt(og['worst_head_bos'], '.3f')}"
-                 f" (uniform {ob['uniform']:.3f}); heads above the sink threshold: baseline "
+                 f" (uniform {ob['uniform']:.3f})"
+                 + (f"; over non-trigger queries baseline {_fmt(ob['worst_head_bos_nontrigger'], '.3f')} vs gated "
+                    f"{_fmt(og['worst_head_bos_nontrigger'], '.3f')}" if ob["worst_head_bos_nontrigger"].get("n") else "")
+                 + f"; heads above the sink threshold: baseline "
                  f"{_fmt(ob['sink_heads'], '.1f')} vs gated {_fmt(og['sink_heads'], '.1f')} of {ob['heads']}; "
                  f"baseline minus gated worst-head share {_fmt(d['worst_bos_diff'], '+.3f')}, positive in "
                  f"{d['worst_bos_diff']['above']} of {n} seeds.")

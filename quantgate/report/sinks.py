@@ -23,11 +23,12 @@ MASSIVE_ABS = 100.0      # Sun et al. 2024: magnitude above 100 ...
 MASSIVE_RATIO = 1000.0   # ... and about 1,000x the median magnitude
 
 
-def bos_grid(analysis: dict) -> tuple[np.ndarray, list[tuple[int, int]]] | None:
-    """[windows, heads] BOS shares over every attention layer's heads, with each column's (layer, head)."""
+def bos_grid(analysis: dict, key: str = "bos_attention_windows") -> tuple[np.ndarray, list[tuple[int, int]]] | None:
+    """[windows, heads] BOS shares over every attention layer's heads, with each column's (layer, head); `key`
+    bos_attention_nontrigger_windows: over non-trigger queries only (Bigram-Backcopy)."""
     cols, where = [], []
     for l in analysis["layers"]:
-        w = l.get("bos_attention_windows")
+        w = l.get(key)
         if w:
             a = np.asarray(w, dtype=np.float64)
             cols.append(a)
@@ -53,7 +54,18 @@ def sink_summary(analysis: dict) -> dict | None:
             "sink_heads": len(sinks), "sink_head_names": sinks, "sink_rate": len(sinks) / len(where),
             "worst": {"layer": where[i][0], "head": where[i][1], "share": float(share[i]),
                       "ci95": interval(_worst, g, groups=analysis.get("window_docs"))},
-            "mean_share": float(share.mean()), "windows": int(g.shape[0])}
+            "mean_share": float(share.mean()), "windows": int(g.shape[0]),
+            **({"worst_nontrigger": _worst_of(nt, analysis)} if (nt := bos_grid(
+                analysis, "bos_attention_nontrigger_windows")) else {})}
+
+
+def _worst_of(grid, analysis: dict) -> dict:
+    """The worst head of a [windows, heads] grid: where, its share and interval over documents."""
+    g, where = grid
+    share = g.mean(axis=0)
+    i = int(share.argmax())
+    return {"layer": where[i][0], "head": where[i][1], "share": float(share[i]),
+            "ci95": interval(_worst, g, groups=analysis.get("window_docs"))}
 
 
 def massive_summary(analysis: dict) -> dict:
@@ -95,6 +107,13 @@ def twin_outliers(baseline: dict, gated: dict) -> dict:
         ci, p = bootstrap_test(lambda a, b: _worst(a) - _worst(b), gb[0], gg[0], null=0.0, groups=docs)
         out["worst_bos_diff"] = settle_outlier({"point": float(gb[0].mean(0).max() - gg[0].mean(0).max()), "ci95": ci,
                                                 "p": p, "null": 0.0, "names": ["gated higher", "baseline higher"]})
+    key = "bos_attention_nontrigger_windows"
+    nb, ng = bos_grid(baseline, key), bos_grid(gated, key)
+    if nb and ng:  # Bigram-Backcopy: the share over non-trigger queries, where Guo et al. read the sink
+        ci, p = bootstrap_test(lambda a, b: _worst(a) - _worst(b), nb[0], ng[0], null=0.0, groups=docs)
+        out["worst_bos_nontrigger_diff"] = settle_outlier(
+            {"point": float(nb[0].mean(0).max() - ng[0].mean(0).max()), "ci95": ci, "p": p, "null": 0.0,
+             "names": ["gated higher", "baseline higher"]})
     return out
 
 
@@ -120,7 +139,10 @@ def sink_sentence(name: str, s: dict | None) -> str:
                 f"{s['epsilon']} on BOS, so a sink cannot be told from uniform attention")
     heads = ", ".join(s["sink_head_names"][:6]) + (" ..." if len(s["sink_head_names"]) > 6 else "")
     which = f" ({heads})" if s["sink_heads"] else ""
-    return f"{name}: {s['sink_heads']} of {s['heads']} heads sink{which}; {worst}"
+    nt = s.get("worst_nontrigger")
+    over = (f" over all queries; over non-trigger queries (Guo et al.'s reading) L{nt['layer']}.H{nt['head']} "
+            f"{nt['share']:.3f}{_ci(nt['ci95'])}") if nt else ""
+    return f"{name}: {s['sink_heads']} of {s['heads']} heads sink{which}; {worst}{over}"
 
 
 def outlier_sentences(outliers: dict, comparison: dict) -> list[str]:
@@ -150,6 +172,9 @@ def outlier_sentences(outliers: dict, comparison: dict) -> list[str]:
         d = comparison.get("worst_bos_diff")
         diff = (f" Worst-head share, baseline minus gated: {d['point']:+.3f}{_ci(d['ci95'])}: "
                 f"{'not resolved' if d['verdict'] == NOT_RESOLVED else d['verdict']}.") if d else ""
+        n = comparison.get("worst_bos_nontrigger_diff")
+        diff += (f" Over non-trigger queries: {n['point']:+.3f}{_ci(n['ci95'])}: "
+                 f"{'not resolved' if n['verdict'] == NOT_RESOLVED else n['verdict']}.") if n else ""
         lines.append(f"Attention sinks (a head whose mean attention on BOS exceeds {ref['epsilon']}, Gu et al. 2024; "
                      f"uniform attention gives {ref['uniform']:.3f}){where}: {sink_sentence('baseline', sb)}; "
                      f"{sink_sentence('gated', sg)}.{diff}")
