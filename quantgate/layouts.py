@@ -256,6 +256,8 @@ class QuantgateLab(Official):
             return f"the {self.name} layout holds sink-lab models only"
         if cfg.is_hybrid or cfg.is_moe:
             return "a sink-lab model is all full attention, with a dense MLP"
+        if cfg.partial_rotary != 1.0:
+            return "a sink-lab model has no rope, so no partial rotary"
         return None
 
     def gate_of(self, f) -> str:

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from .errors import QuantgateError
+from .fsio import MAX_JSON_BYTES, read_bounded
 
 SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>")
 
@@ -77,8 +78,9 @@ def load_tokenizer(directory: Path, bos_id: int | None = None, eos_id: int | Non
     path = Path(directory) / "tokenizer.json"
     if not path.is_file():
         raise QuantgateError(f"no tokenizer.json in {directory}")
+    raw = read_bounded(path, MAX_JSON_BYTES)  # a regular file of bounded size (fsio)
     try:
-        tok = HFTokenizer.from_file(str(path))
+        tok = HFTokenizer.from_str(raw.decode("utf-8"))
     except Exception as e:  # tokenizers raises plain Exception subclasses with long messages
         raise QuantgateError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0][:120]})") from None
     ours = [tok.token_to_id(s) for s in SPECIALS]

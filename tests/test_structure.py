@@ -270,16 +270,22 @@ def test_each_layout_refuses_the_models_it_cannot_hold():
     for gate in ("none", "headwise", "elementwise"):
         for rotary in (1.0, 0.5):
             for qk in (True, False):
-                for is_hybrid, moe in ((False, False), (True, False), (False, True), (True, True)):
+                for is_hybrid, moe, lab in ((False, False, False), (True, False, False), (False, True, False),
+                                            (True, True, False), (False, False, True), (True, False, True)):
                     cfg = preset("tiny", gate=gate)
-                    cfg = dataclasses.replace(hybrid(cfg) if is_hybrid else cfg, partial_rotary=rotary, qk_norm=qk)
+                    cfg = dataclasses.replace(hybrid(cfg) if is_hybrid else cfg, partial_rotary=rotary, qk_norm=qk,
+                                              positions="learned" if lab else "rope")
                     if moe:  # mixture-of-experts models in qwen3_5_moe only, and only those there
                         cfg = dataclasses.replace(cfg, n_experts=4, n_experts_used=2, expert_ffn_dim=32,
                                                   shared_expert_ffn_dim=32)
                     for name, lay in LAYOUTS.items():
+                        if name == "quantgate_lab":  # sink-lab models (learned positions) only, of any gate
+                            fits = lab and not is_hybrid and not moe and rotary == 1.0
+                            assert (lay.cannot_hold(cfg) is None) == fits, (name, gate, rotary, qk, is_hybrid, lab)
+                            continue
                         q35 = name in ("qwen3_5", "qwen3_5_moe")
                         gate_ok = q35 or (gate == "none") == (name == "qwen3")
                         fits = (gate_ok and (rotary == 1.0 or name in ("qwen3_next", "qwen3_5", "qwen3_5_moe"))
                                 and (qk or name == "official") and (not is_hybrid or q35)
-                                and moe == (name == "qwen3_5_moe"))
+                                and moe == (name == "qwen3_5_moe") and not lab)
                         assert (lay.cannot_hold(cfg) is None) == fits, (name, gate, rotary, qk, is_hybrid, moe)
