@@ -4,8 +4,12 @@ Outcome of the committed run (results/sink_lab_recipe.json): none of the three r
 steps (120-150 s per twin pair on one thread): the baseline's worst head reaches 0.11-0.18 BOS share (2-4x
 uniform), always in layer 0, the gated twin's 0.03-0.12. Probes outside this script at higher lr (1e-2) and weight
 decay (0.5-1.0), one layer, three layers or d 128 did no better within ~3 minutes per pair. `lab-sinks` is the
-recipe `demo --lab sinks` trains (its gated twin stays nearest uniform). The search for a CPU recipe that crosses
-0.3 is not finished.
+recipe `demo --lab sinks` trained then (its gated twin stays nearest uniform).
+
+Superseded (issue 26): those rows were measured on the corpus before it took Guo et al.'s triggers (the most
+frequent symbols; the old ones fell on ~6% of positions) and with the model's rope. benchmarks/sink_lab_search.py
+found what makes the lab sink and `demo --lab sinks` now trains that; this script's recipes and results are kept as
+the record of what did not.
 
 The `small` twins trained on the embedded corpus have no attention sink at the demo's budget (BOS share 0.06 in
 layer 0, README findings), so the gate's main claimed effect cannot be shown there. Guo et al. 2024
