@@ -187,3 +187,16 @@ def tree_snapshot(path: Path) -> dict:
     for p in sorted(path.rglob("*")):
         out[str(p.relative_to(path))] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
     return out
+
+
+def save_random_models(d: Path, models: dict) -> Path:
+    """Each make() of `models` randomized (seed 5) and saved under d/name with a byte tokenizer, beside a short code
+    text d/t.txt: the layer-by-layer tests' inputs."""
+    from quantgate.checkpoint import save_checkpoint
+    from quantgate.tokenizer import byte_tokenizer
+    (d / "t.txt").write_text("".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(300)))
+    for name, make in models.items():
+        m = make().eval()
+        randomize_(m, 5)
+        save_checkpoint(m, d / name, byte_tokenizer())
+    return d

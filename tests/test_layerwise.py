@@ -11,15 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import randomize_, run_cli
+from conftest import run_cli, save_random_models
 from quantgate.analyze import analyze
 from quantgate.errors import QuantgateError
 from quantgate.evaluate import evaluate_model
-from quantgate.formats import save_checkpoint
 from quantgate.formats.hf import open_hf
 from quantgate.layerwise import LayerwiseModel, LayerwiseRunner
 from quantgate.model import build_model, hybrid, make_twins, preset
-from quantgate.tokenizer import byte_tokenizer
 
 MODELS = {
     "gated-attention": lambda: make_twins(preset("tiny", vocab_size=300, n_layers=3), "elementwise", 0)[1],
@@ -34,13 +32,7 @@ MODELS = {
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    d = tmp_path_factory.mktemp("layerwise")
-    (d / "t.txt").write_text("".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(300)))
-    for name, make in MODELS.items():
-        m = make().eval()
-        randomize_(m, 5)
-        save_checkpoint(m, d / name, byte_tokenizer())
-    return d
+    return save_random_models(tmp_path_factory.mktemp("layerwise"), MODELS)
 
 
 def _same(a, b, path=""):

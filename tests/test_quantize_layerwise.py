@@ -12,15 +12,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import randomize_, run_cli
+from conftest import run_cli, save_random_models
 from quantgate.errors import QuantgateError
 from quantgate.evaluate import evaluate_model
-from quantgate.formats import save_checkpoint
 from quantgate.formats.safetensors_stream import SafetensorsWriter
 from quantgate.model import build_model, hybrid, make_twins, preset
 from quantgate.quant.layerwise import check_disk
 from quantgate.quantize import quantize_checkpoint
-from quantgate.tokenizer import byte_tokenizer
 
 MODELS = {
     "baseline": lambda: make_twins(preset("tiny", vocab_size=300, n_layers=3), "elementwise", 0)[0],
@@ -39,13 +37,7 @@ DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    d = tmp_path_factory.mktemp("quantize-layerwise")
-    (d / "t.txt").write_text("".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(300)))
-    for name, make in MODELS.items():
-        m = make().eval()
-        randomize_(m, 5)
-        save_checkpoint(m, d / name, byte_tokenizer())
-    return d
+    return save_random_models(tmp_path_factory.mktemp("quantize-layerwise"), MODELS)
 
 
 def test_streamed_writer_writes_save_files_bytes_in_any_order(tmp_path):
