@@ -236,6 +236,8 @@ DATA_HELP = ("text source: 'embedded' (the Python standard library's sources, al
 @click.option("--vocab-size", type=click.IntRange(259, 1 << 20), default=None,
               help="BPE vocabulary (default: the preset's)")
 @click.option("--byte-tokenizer", is_flag=True, help="256 bytes + specials instead of BPE")
+@click.option("--symbol-tokenizer", is_flag=True,
+              help="with a synthetic --data: one token per symbol of its alphabet (the sink lab's tokenizer)")
 @click.option("--max-chars", type=COUNT, default=None, help="use only the first N characters of the corpus")
 @click.option("--ckpt-every", type=COUNT, default=200, show_default=True,
               help="write a resumable checkpoint every N steps")

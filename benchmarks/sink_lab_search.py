@@ -46,6 +46,7 @@ DEFAULTS = dict(
     # model (quantgate's Model; lab switches below)
     dim=128, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=64, ffn_dim=512, qk_norm=True,
     rope=True, pos=False, norm="rms", mlp="swiglu", tie=True, init="qg", partial_rotary=1.0, rope_theta=10000.0,
+    vocab=VOCAB,  # embedding rows: the task's 64, or 259 as quantgate's byte tokenizer has (ids >= 64 never occur)
     # training
     lr=3e-3, sched="const", beta2=0.99, wd=1e-4, wd_all=True, clip=0.0, warmup=0, batch=32, ctx=64, steps=1000,
     # data
@@ -179,7 +180,7 @@ def lab_init(model: LabModel, seed: int, how: str) -> None:
 
 
 def build_twins(c: dict, seed: int) -> dict[str, LabModel]:
-    cfg = ModelConfig(vocab_size=VOCAB, dim=c["dim"], n_layers=c["n_layers"], n_heads=c["n_heads"],
+    cfg = ModelConfig(vocab_size=c["vocab"], dim=c["dim"], n_layers=c["n_layers"], n_heads=c["n_heads"],
                       n_kv_heads=c["n_kv_heads"], head_dim=c["head_dim"], ffn_dim=c["ffn_dim"],
                       qk_norm=c["qk_norm"], tie_embeddings=c["tie"], partial_rotary=c["partial_rotary"],
                       rope_theta=c["rope_theta"], max_seq_len=256, bos_id=BOS, eos_id=63,
@@ -438,6 +439,9 @@ RUNS = """
 --only baseline --name L:R1-wd1e-4   $C $R batch=8 beta2=0.95 clip=1.0 wd=1e-4 wd_all=False warmup=30
 --only baseline --name R1-wd0.1      $C $R wd=0.1 wd_all=False
 --only baseline --name R1-batch8     $C $R batch=8
+--only baseline --name L:Q-learnedpos-vocab259              $C $L rope=False pos=True vocab=259
+--only baseline --probe-every 500 --name L4k:Q-learnedpos-vocab259 $C $L rope=False pos=True vocab=259
+--only baseline --name L:Q-learnedpos-vocab66               $C $L rope=False pos=True vocab=66
 """
 
 

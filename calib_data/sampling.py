@@ -28,6 +28,12 @@ def tokenize_corpus(corpus: Corpus, tokenizer) -> TokenStream:
     if not corpus.documents:
         raise QuantgateError(f"{corpus.source}: no documents to tokenize")
     encoded = tokenizer.encode_batch(corpus.texts())
+    unk = getattr(tokenizer, "unk_id", None)
+    if unk is not None:  # a symbol tokenizer: text outside its alphabet would be read as <|unk|>, silently
+        for i, e in enumerate(encoded):
+            if unk in e:
+                raise QuantgateError(f"{corpus.source} (text {i + 1}): characters outside the tokenizer's alphabet (a symbol tokenizer's; "
+                                     f"this model reads only its synthetic corpus)")
     parts = [np.asarray(([tokenizer.eos_id] if i else []) + e, dtype=np.int64) for i, e in enumerate(encoded)]
     starts = np.cumsum([0] + [len(p) for p in parts[:-1]]).astype(np.int64)
     return TokenStream(np.concatenate(parts), tokenizer.bos_id, corpus.source, corpus.fingerprint, starts)

@@ -22,6 +22,7 @@ import torch
 from quantgate import __version__
 from quantgate.errors import DiskFull, QuantgateError
 from quantgate.formats import artifact_kind, inspect_gguf, load_checkpoint
+from quantgate.formats.gguf import forget_reader
 from quantgate.formats.gguf_layout import (BLOCK_TENSORS, GGUF_ARCHS, GLOBAL_TENSORS, LAYER_TENSORS, LINEAR_TO_GGUF,
                                            POST_ATTENTION_NORM, Q_TENSOR, QWEN2_SPLIT,
                                            SPLIT_PRE_TOKENIZERS, IdentityLayerShape, arch_of,
@@ -342,6 +343,7 @@ def write_gguf(cfg: ModelConfig, sd: Mapping, meta_sd: Mapping, tokenizer: Token
         try:  # quantgate's own reader must take what it wrote; a file it refuses is never committed
             inspect_gguf(tmp)
         except QuantgateError as e:
+            forget_reader(tmp)
             raise QuantgateError(f"{str(e).replace(str(tmp), str(out))} (the written file failed quantgate's own "
                                  f"check; nothing was kept)") from None
     return out

@@ -72,11 +72,13 @@ FAST_WINDOWS = 16       # both, under --fast (the fewest that give an interval: 
 # The sink lab (`quantgate demo --lab sinks`): twins trained on Guo et al.'s Bigram-Backcopy task
 # (calib_data.synthetic), whose small transformers grow attention sinks; recipe from benchmarks/sink_lab_recipe.py.
 LAB_RECIPES = {
-    # Guo et al.'s setting (one layer, one head; their data: triggers the most frequent symbols) with quantgate's model
-    # and one lab-only switch, learned absolute positions in place of rope (ModelConfig.positions). Measured in the
-    # search behind benchmarks/sink_lab_recipe.py, baseline only, non-trigger BOS share in seeds 0/1/2: this model with
-    # rope 0.62/0.37/0.89 after 4000 steps; with learned positions 1.00/1.00/1.00 (0.94/0.65/0.81 after 1000 steps).
-    "sinks": dict(preset="tiny", data="synthetic:bigram-backcopy", byte_tokenizer=True, steps=4000, batch_size=8,
+    # Guo et al.'s setting (one layer, one head; their data: triggers the most frequent symbols; their vocabulary:
+    # the task's symbols) with quantgate's model and one lab-only switch, learned absolute positions in place of
+    # rope (ModelConfig.positions). benchmarks/sink_lab_search.py measured, baseline only, the non-trigger BOS share
+    # in seeds 0/1/2 (results/sink_lab_search.jsonl): rope 0.62/0.37/0.89 after 4000 steps, learned positions
+    # 1.00/1.00/1.00, both with the task's 64-token vocabulary. With quantgate's 259-token byte vocabulary the same
+    # model learned the copy without a sink (runs vocab259), so the lab tokenizes with the corpus's own alphabet.
+    "sinks": dict(preset="tiny", data="synthetic:bigram-backcopy", symbol_tokenizer=True, steps=4000, batch_size=8,
                   ctx=64, lr=3e-3, min_lr_frac=1.0, warmup=30, weight_decay=0.1,
                   model_overrides=dict(dim=128, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=64, ffn_dim=512,
                                        positions="learned")),
@@ -222,8 +224,9 @@ def lab_note(lab: str, recipe: dict, seeds: int) -> str:
     return (f"Sink lab `{lab}`: {seeds} seeds of {recipe['preset']} twins{f' ({size})' if size else ''} on "
             f"{recipe['data']} (Guo et al. 2024, arXiv 2410.13835), {recipe['steps']} steps x {recipe['batch_size']} "
             f"x {recipe['ctx']} tokens, lr {recipe['lr']:g}{' constant' if recipe.get('min_lr_frac') == 1.0 else ''}, weight "
-            f"decay {recipe['weight_decay']:g}; recipe from "
-            f"benchmarks/sink_lab_recipe.py (benchmarks/results/sink_lab_recipe.json records when the sink appears).")
+            f"decay {recipe['weight_decay']:g}"
+            f"{', one token per symbol' if recipe.get('symbol_tokenizer') else ''}; recipe from "
+            f"benchmarks/sink_lab_search.py (benchmarks/results/sink_lab_search.jsonl: each switch, three seeds).")
 
 
 def run_lab(out: str | Path, lab: str = "sinks", gate: str = "elementwise", threads: int | None = None,

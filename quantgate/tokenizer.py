@@ -1,6 +1,7 @@
-"""Byte-level BPE tokenizers (trained with HF `tokenizers`) and a pure-byte option.
+"""Byte-level BPE tokenizers (trained with HF `tokenizers`), a pure-byte option, and a symbol tokenizer for the
+synthetic corpora (one token per symbol of their alphabet: the sink lab's, see `symbol_tokenizer`).
 
-Both are byte-level: ByteLevel(add_prefix_space=False, use_regex=True) pre-tokenization, the GPT-2
+The first two are byte-level: ByteLevel(add_prefix_space=False, use_regex=True) pre-tokenization, the GPT-2
 byte-to-unicode alphabet, so every UTF-8 text round-trips and GGUF export can use `gpt2` metadata.
 Specials <|bos|>, <|eos|>, <|pad|> come first (ids 0, 1, 2). Text is always encoded without specials;
 callers put BOS in front of every window themselves (DESIGN section 1).
@@ -18,6 +19,7 @@ from .errors import QuantgateError
 from .fsio import MAX_JSON_BYTES, read_bounded
 
 SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>")
+UNK = "<|unk|>"  # the symbol tokenizer's id for a character outside its alphabet (tokenize_corpus refuses it)
 
 
 class Tokenizer:
@@ -28,6 +30,11 @@ class Tokenizer:
         tok.encode_special_tokens = True  # text that spells "<|bos|>" stays text, never becomes a control id
         self.bos_id, self.eos_id = bos_id, eos_id
         self.pad_id = eos_id if pad_id is None else pad_id
+
+    @property
+    def unk_id(self) -> int | None:
+        """The id of characters the vocabulary lacks (symbol tokenizers); None for byte-level ones, which lack none."""
+        return self.tok.token_to_id(UNK)
 
     @property
     def vocab_size(self) -> int:
@@ -70,6 +77,22 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
 def byte_tokenizer() -> Tokenizer:
     """256 byte tokens + specials, no merges: for tests and for comparing without BPE effects."""
     return train_bpe([""], 256 + len(SPECIALS))
+
+
+def symbol_tokenizer(symbols: str) -> Tokenizer:
+    """One token per character of `symbols` after the specials and <|unk|>: a synthetic corpus's own alphabet.
+
+    The sink lab needs it: with the 259-token byte vocabulary (62 of them used) the one-layer baseline learns the
+    back-copy without parking its attention on BOS; with the task's own vocabulary it sinks, as Guo et al.'s models
+    do on theirs (benchmarks/sink_lab_search.py, runs named vocab259). A BPE model with no merges and no
+    pre-tokenizer splits text into characters; a character outside the alphabet becomes <|unk|>."""
+    if not symbols or len(set(symbols)) != len(symbols) or any(c.isspace() for c in symbols):
+        raise QuantgateError("a symbol tokenizer needs distinct, non-whitespace symbols")
+    vocab = {t: i for i, t in enumerate((*SPECIALS, UNK, *symbols))}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    tok.decoder = decoders.Fuse()  # tokens join without separators
+    tok.add_special_tokens(list(SPECIALS) + [UNK])
+    return Tokenizer(tok, *(tok.token_to_id(s) for s in SPECIALS))
 
 
 def load_tokenizer(directory: Path, bos_id: int | None = None, eos_id: int | None = None,

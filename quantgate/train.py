@@ -25,13 +25,14 @@ import torch.distributed as dist
 from rich.progress import TextColumn
 
 from .calib_data import data_paths, load_corpus, sample_windows, tokenize_corpus
+from .calib_data.synthetic import SYMBOLS, SYNTHETIC_NAMES
 from .errors import QuantgateError
 from .formats import save_checkpoint
 from .fsio import atomic_file, check_output, claim_folder, read_marker, write_json
 from .model import GATE_MODES, Model, build_model, hybrid, make_twins, preset
 from .progress import make_progress
 from .runners import torch_device
-from .tokenizer import Tokenizer, byte_tokenizer, load_tokenizer, train_bpe
+from .tokenizer import Tokenizer, byte_tokenizer, load_tokenizer, symbol_tokenizer, train_bpe
 
 
 ARCHS = ("attention", "hybrid")
@@ -56,6 +57,7 @@ class TrainConfig:
     seed: int = 0
     vocab_size: int | None = None       # BPE size; None: the preset's
     byte_tokenizer: bool = False
+    symbol_tokenizer: bool = False      # a synthetic corpus's own alphabet, one token per symbol (the sink lab's)
     max_chars: int | None = None        # cap on corpus size (first documents kept)
     ckpt_every: int = 200
     log_every: int = 10
@@ -71,6 +73,11 @@ class TrainConfig:
             raise QuantgateError(f"arch must be one of {ARCHS}, got {self.arch!r}")
         if self.twins and self.gate == "none":
             raise QuantgateError("--twins needs a gated variant: --gate headwise or --gate elementwise")
+        if self.symbol_tokenizer and (self.byte_tokenizer or self.vocab_size is not None):
+            raise QuantgateError("--symbol-tokenizer replaces --byte-tokenizer and --vocab-size; give one of them")
+        if self.symbol_tokenizer and str(self.data) not in SYNTHETIC_NAMES:
+            raise QuantgateError(f"--symbol-tokenizer takes a synthetic corpus ({', '.join(SYNTHETIC_NAMES)}), "
+                                 f"whose alphabet it is; got --data {str(self.data)[:80]}")
         for name in ("steps", "batch_size", "ctx"):
             if getattr(self, name) <= 0:
                 raise QuantgateError(f"{name} must be positive")
@@ -137,6 +144,8 @@ def prepare_tokenizer(tc: TrainConfig, state_dir: Path, train_texts) -> Tokenize
         return load_tokenizer(state_dir)
     if tc.byte_tokenizer:
         tok = byte_tokenizer()
+    elif tc.symbol_tokenizer:
+        tok = symbol_tokenizer(SYMBOLS)
     else:
         tok = train_bpe(train_texts(), tc.vocab_size or preset(tc.preset).vocab_size)
     with atomic_file(state_dir / "tokenizer.json", "w") as f:  # recorded as quantgate's (fsio: content hashes)
@@ -168,11 +177,11 @@ def save_state(path: Path, step: int, models: dict, optims: dict, log: list, tc:
 # Settings that shape the trajectory: a resumed run must keep them (steps may grow, threads may change).
 TRAJECTORY_FIELDS = ("preset", "arch", "gate", "twins", "data", "batch_size", "ctx", "lr", "min_lr_frac", "warmup",
                      "weight_decay", "grad_clip", "betas", "seed", "vocab_size", "byte_tokenizer", "max_chars",
-                     "model_overrides")
+                     "model_overrides", "symbol_tokenizer")
 
 
 # Fields added after runs were recorded: a record without one was made at its default.
-RECORDED_DEFAULTS = {"arch": "attention"}
+RECORDED_DEFAULTS = {"arch": "attention", "symbol_tokenizer": False}
 
 
 def recorded(settings: dict | None) -> dict:

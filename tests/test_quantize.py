@@ -95,8 +95,9 @@ def test_calibrated_range_comes_from_the_spike():
     assert isinstance(down, QuantLinear) and down.act_range.hi > 1e4
     qs = quantize_(copy.deepcopy(m), get_scheme("w8a8-static-sink"), calib_windows=w)
     assert qs.layers[1].mlp.down_proj.act_range.hi < 1.0  # without BOS the unit is silent
-    qp = quantize_(copy.deepcopy(m), get_scheme("w8a8-static-pct"), calib_windows=w)
-    assert qp.layers[1].mlp.down_proj.act_range.hi < down.act_range.hi
+    # the spike is 4 of 4 x 64 x 256 inputs (0.006%): the 99.99th percentile of them all lies below it
+    qp = quantize_(copy.deepcopy(m), get_scheme("w8a8-static-pct"), calib_windows=windows(4, 64))
+    assert qp.layers[1].mlp.down_proj.act_range.hi < down.act_range.hi / 10
 
 
 @pytest.mark.parametrize("scope", ["gate", "q_and_gate"])

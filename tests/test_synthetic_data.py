@@ -81,3 +81,37 @@ def test_triggers_are_the_most_frequent_symbols(corpus):
     text = "".join(d.text for d in corpus.documents[:300])
     counts = {c: text.count(c) for c in SYMBOLS}
     assert set(TRIGGERS) <= set(sorted(counts, key=counts.get)[-5:])
+
+
+def test_symbol_tokenizer_is_the_corpus_alphabet(corpus, tmp_path):
+    """The sink lab's tokenizer: one token per symbol, the specials and <|unk|> first; saved and read back the
+    same; a text outside the alphabet is refused in one line, never read as <|unk|> or dropped."""
+    from quantgate.calib_data import tokenize_corpus
+    from quantgate.tokenizer import load_tokenizer, symbol_tokenizer
+    tok = symbol_tokenizer(SYMBOLS)
+    assert tok.vocab_size == len(SYMBOLS) + 4 and (tok.bos_id, tok.eos_id, tok.pad_id, tok.unk_id) == (0, 1, 2, 3)
+    for d in corpus.documents[:20]:
+        ids = tok.encode(d.text)
+        assert len(ids) == len(d.text) and tok.decode(ids) == d.text and min(ids) >= 4
+    assert len(set(tok.encode(SYMBOLS))) == len(SYMBOLS)
+    tok.save(tmp_path)
+    back = load_tokenizer(tmp_path)
+    assert back.encode(SYMBOLS) == tok.encode(SYMBOLS) and back.unk_id == 3 and back.decode(tok.encode("ab9")) == "ab9"
+    assert byte_tokenizer().unk_id is None
+    with pytest.raises(QuantgateError, match="outside the tokenizer's alphabet"):
+        tokenize_corpus(load_corpus("embedded", max_chars=20_000), tok)
+    for bad in ("", "aa", "a b"):
+        with pytest.raises(QuantgateError, match="distinct, non-whitespace"):
+            symbol_tokenizer(bad)
+
+
+def test_symbol_tokenizer_takes_only_a_synthetic_corpus(tmp_path):
+    from conftest import run_cli
+    from quantgate.train import TrainConfig
+    with pytest.raises(QuantgateError, match="synthetic corpus"):
+        TrainConfig(symbol_tokenizer=True, data="embedded")
+    with pytest.raises(QuantgateError, match="give one of them"):
+        TrainConfig(symbol_tokenizer=True, byte_tokenizer=True, data=BIGRAM_BACKCOPY)
+    r = run_cli("train", "--symbol-tokenizer", "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "synthetic corpus" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "x").exists()

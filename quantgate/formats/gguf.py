@@ -7,7 +7,7 @@ rebuilt from the file's own metadata, so `quantgate eval FILE.gguf` needs nothin
 """
 from __future__ import annotations
 
-import functools
+from collections import OrderedDict
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,20 +116,47 @@ def open_reader(path: str | Path):
 
     gguf-py parses metadata arrays one element at a time: Qwen3.5's 248,320-token vocabulary takes it ~6 s, and
     `info`, `generate` and `eval` each opened a file three times. So the last readers are kept, keyed by the
-    file's identity (inode, size, modification time): a file rewritten or replaced (quantgate renames new files
-    into place) is parsed again."""
+    file's identity (device, inode, size, modification time), not its name: a file rewritten or replaced is parsed
+    again, and a file quantgate checked under its temporary name and then renamed into place is not."""
     path = Path(path)
     if not path.exists():
         raise QuantgateError(f"GGUF file {path} does not exist")
     if not path.is_file():
         raise QuantgateError(f"{path} is not a file")
     st = path.stat()
-    return _checked_reader(str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    return _checked_reader(path, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
 
 
-@functools.lru_cache(maxsize=2)
-def _checked_reader(path_str: str, _ino: int, size: int, _mtime_ns: int):
-    path = Path(path_str)
+class _ReaderCache:
+    """The last `size` checked readers, keyed by file identity (functools.lru_cache keys on every argument, and
+    the path must not be part of the key: a rename keeps the file). Written by hand for that one difference."""
+
+    def __init__(self, parse, size: int = 2):
+        self.parse, self.size, self.items = parse, size, OrderedDict()
+
+    def __call__(self, path: Path, identity: tuple):
+        if identity in self.items:
+            self.items.move_to_end(identity)
+            return self.items[identity]
+        reader = self.parse(path, identity[2])
+        self.items[identity] = reader
+        while len(self.items) > self.size:
+            self.items.popitem(last=False)
+        return reader
+
+    def forget(self, path: Path) -> None:
+        """Drop a file's reader (a temporary file about to be removed: its mapping would keep the bytes alive)."""
+        try:
+            st = path.stat()
+        except OSError:
+            return
+        self.items.pop((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), None)
+
+    def cache_clear(self) -> None:
+        self.items.clear()
+
+
+def _parse_checked(path: Path, size: int):
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
@@ -149,6 +176,14 @@ def _checked_reader(path_str: str, _ino: int, size: int, _mtime_ns: int):
             raise QuantgateError(f"{path}: tensor {t.name} has shape {[int(d) for d in t.shape]}, not whole "
                                  f"{t.tensor_type.name} blocks of {block}")
     return reader
+
+
+_checked_reader = _ReaderCache(_parse_checked)
+
+
+def forget_reader(path: str | Path) -> None:
+    """Drop the kept reader of `path` (a temporary file about to be removed)."""
+    _checked_reader.forget(Path(path))
 
 
 def inspect_gguf(path: str | Path) -> GGUFInfo:

@@ -76,9 +76,12 @@ class Calibrator:
                 x = x[:, 1:]
             x = x.detach().float().reshape(-1)
             if scheme.calib == "percentile":
+                if x.numel() <= PERCENTILE_SAMPLE:  # all of it: a sample would only add noise to a tail of few values
+                    self.samples[name].append(x.clone())
+                    return
                 if name not in self.gens:
                     self.gens[name] = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-                idx = torch.randint(0, x.numel(), (min(x.numel(), PERCENTILE_SAMPLE),), generator=self.gens[name])
+                idx = torch.randint(0, x.numel(), (PERCENTILE_SAMPLE,), generator=self.gens[name])
                 self.samples[name].append(x[idx])
             else:
                 self.lo[name] = min(self.lo[name], float(x.min()))
