@@ -19,6 +19,7 @@ from .formats.hf import open_hf
 from .layerwise import LayerwiseModel, needs_layerwise
 from .fsio import atomic_file, check_output, claim_folder, write_json
 from .gate_survival import check_gate_survival
+from .info import param_count
 from .outliers import analyze_layerwise, analyze_model
 
 
@@ -133,6 +134,12 @@ def run_analyze(model: str, data: str, ctx: int, n_windows: int, split: str, see
         check_output(json_out, "analysis", inputs, flag="--json")
     if plots:
         check_output(plots, "plots", inputs, flag="--plots")
+    for other in (compare, reference):  # headers only: a missing or unreadable model fails before any analysis
+        if other:
+            param_count(other)
+    gate_survival = None
+    if reference:  # before the analysis too: it refuses a pair whose gate is lost or absent, and is the cheaper pass
+        gate_survival = check_gate_survival(model, reference, data, min(n_windows, 8), ctx, seed)
     reports = {Path(model).name or model: analyze(model, data, ctx, n_windows, split, seed, layerwise=layerwise)}
     if compare:
         name = Path(compare).name or compare
@@ -140,8 +147,8 @@ def run_analyze(model: str, data: str, ctx: int, n_windows: int, split: str, see
             name = f"{name} (compare)"
         reports[name] = analyze(compare, data, ctx, n_windows, split, seed, layerwise=layerwise)
     result = {"reports": reports}
-    if reference:
-        result["gate_survival"] = check_gate_survival(model, reference, data, min(n_windows, 8), ctx, seed)
+    if gate_survival is not None:
+        result["gate_survival"] = gate_survival
     if json_out:
         write_json(json_out, result, kind="analysis")
     if plots:

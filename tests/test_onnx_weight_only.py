@@ -56,13 +56,27 @@ def _summary(model, base):
     return nodes, inits
 
 
+@pytest.fixture(scope="module")
+def fp32_exports(tmp_path_factory):
+    """One fp32 export per case, shared by its three schemes (an export is most of each test's time)."""
+    made = {}
+
+    def get(case):
+        if case not in made:
+            gate, layout, is_hybrid, tied = CASES[case]
+            d = tmp_path_factory.mktemp(case)
+            onnx_export.export_checkpoint(_save(_model(gate, is_hybrid, tied), layout, d / "ckpt", bf16=False),
+                                          d / "fp32")
+            made[case] = d / "fp32"
+        return made[case]
+    return get
+
+
 @pytest.mark.parametrize("scheme", ["int4", "int4+gate8", "int8-weight"])
 @pytest.mark.parametrize("case", ["qwen35-baseline-tied", "qwen35-gated-r2", "official-headwise"])
-def test_one_matmul_at_a_time_equals_onnxruntimes_quantizer(tmp_path, case, scheme):
-    gate, layout, is_hybrid, tied = CASES[case]
-    d = _save(_model(gate, is_hybrid, tied), layout, tmp_path / "ckpt", bf16=False)
-    onnx_export.export_checkpoint(d, tmp_path / "fp32")
-    src = tmp_path / "fp32" / "model.onnx"
+def test_one_matmul_at_a_time_equals_onnxruntimes_quantizer(tmp_path, fp32_exports, case, scheme):
+    fp32 = fp32_exports(case)
+    src = fp32 / "model.onnx"
     (tmp_path / "q").mkdir()
     graph = onnx.load(str(src), load_external_data=False)
     counts = weight_only.quantize_weight_only(src, tmp_path / "q" / "model.onnx", _bits_of(graph, scheme), 32)
@@ -73,7 +87,7 @@ def test_one_matmul_at_a_time_equals_onnxruntimes_quantizer(tmp_path, case, sche
     assert counts["int4" if scheme.startswith("int4") else "int8"] > 0
     assert counts["float"] == len(kept_float_matmuls(graph))  # a Gated DeltaNet's in_proj_a and in_proj_b
     for f in ("config.json", "quantgate.json", "tokenizer.json"):
-        (tmp_path / "q" / f).write_bytes((tmp_path / "fp32" / f).read_bytes())
+        (tmp_path / "q" / f).write_bytes((fp32 / f).read_bytes())
     with OrtRunner(tmp_path / "q") as r:
         assert np.isfinite(r.logits(W)).all()
 

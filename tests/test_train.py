@@ -156,6 +156,7 @@ def test_compiled_training_matches_eager(tmp_path):
         assert_same_weights(eager[role], compiled[role], exact=False, atol=1e-5)
 
 
+@pytest.mark.slow  # ~30 s: training, saving and re-running hybrid twins end to end
 def test_hybrid_twins_train_save_as_qwen3_5_and_run(tmp_path):
     """`train --arch hybrid --twins`: both twins learn, are written in the qwen3_5 layout (the baseline as zero
     gate rows, read back gate-free), eval and generate run on them, and an export option hybrids cannot take

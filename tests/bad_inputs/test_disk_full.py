@@ -42,7 +42,10 @@ VERBS = {
 }
 
 
-@pytest.mark.parametrize("verb", list(VERBS))
+SLOW = {"export onnx"}  # a minute of tracing; CI's slow step runs it
+
+
+@pytest.mark.parametrize("verb", [pytest.param(v, marks=pytest.mark.slow) if v in SLOW else v for v in VERBS])
 def test_full_disk_gives_one_line_and_no_debris(work, tmp_path, verb):
     out = tmp_path / "out"
     out.mkdir()
