@@ -15,7 +15,7 @@ this project's 2-core machine on 2026-12-04, one thread per process). `quantgate
 outcome: quantgate's model with learned positions (ModelConfig.positions), lab training settings, 4000 steps.
 
 The search ran with the task's 64-token vocabulary. The demo first trained with quantgate's 259-token byte
-tokenizer and its baseline did not sink in 2 of 3 seeds (a run not kept); the runs named vocab259 (and vocab66, the symbol tokenizer's size) isolate that one difference: `vocab` is the number of
+tokenizer and its baseline did not sink (that run was not kept); the runs named vocab259 (and vocab66, the symbol tokenizer's size) isolate that one difference: `vocab` is the number of
 embedding rows (tied to the output head), the data is unchanged. The demo now tokenizes one token per symbol.
 """
 from __future__ import annotations

@@ -7,8 +7,8 @@ rebuilt from the file's own metadata, so `quantgate eval FILE.gguf` needs nothin
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 

@@ -91,3 +91,16 @@ def test_bad_input_gives_one_line(work, tmp_path, name):
     assert list(tmp_path.iterdir()) == []  # nothing written, not even an empty folder
     assert dir_snapshot(work) == before and sorted(p.name for p in work.iterdir()) == sorted(
         ["afile", "baseline", "bin.txt", "fifo", "gated", "t.txt", "wide"])
+
+
+def test_analyze_refuses_a_missing_compare_or_reference_before_analysing(monkeypatch, tmp_path):
+    """The other model is checked from its headers first: no analysis pass runs for a command that will fail."""
+    import quantgate.analyze as analyze_mod
+    from quantgate.errors import QuantgateError
+    ran = []
+    monkeypatch.setattr(analyze_mod, "analyze", lambda *a, **k: ran.append(a) or {})
+    monkeypatch.setattr(analyze_mod, "check_gate_survival", lambda *a, **k: ran.append(a) or {})
+    for kw in ({"compare": str(tmp_path / "nothere")}, {"reference": str(tmp_path / "nothere")}):
+        with pytest.raises(QuantgateError, match="does not exist"):
+            analyze_mod.run_analyze(str(tmp_path / "m"), "embedded", 32, 4, "auto", 0, **kw)
+    assert ran == []
