@@ -432,19 +432,25 @@ def export_gguf_cmd(model, out, outtype, no_mtp):
               help="23: ONNX Attention op with native GQA; 18: attention decomposed, for older runtimes")
 @click.option("--graph", type=click.Choice(["standard", "gqa"]), default="standard", show_default=True,
               help="standard: traced from PyTorch (q and gate in one MatMul, ONNX Attention, gate as Sigmoid*Mul "
-                   "after it); gqa: built around com.microsoft.GroupQueryAttention (rotary inside), gate after it")
+                   "after it; a hybrid's Gated DeltaNet rule as an ONNX Scan): the portable form, optimum opens it; "
+                   "gqa: built on ONNX Runtime's fused CPU ops (GroupQueryAttention with rotary inside, gate after "
+                   "it; for hybrids CausalConvWithState, LinearAttention or GatedDeltaNet, GatedRMSNorm), with the "
+                   "logits of the last position only unless its logits_to_keep input asks for more: the fast form")
+@click.option("--gdn-op", type=click.Choice(["linear_attention", "gated_delta_net"]), default=None,
+              help="--graph gqa on a hybrid: the ORT op that runs the Gated DeltaNet rule (default linear_attention, "
+                   "ORT 1.31+: measured faster at prefill than gated_delta_net, ORT 1.32+)")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True)
-def export_onnx_cmd(model, out, opset, graph, dtype):
+def export_onnx_cmd(model, out, opset, graph, gdn_op, dtype):
     """Write MODEL as an ONNX decoder with past/present key-value tensors (optimum's names, dynamic batch,
-    sequence and past lengths) that ONNX Runtime runs and optimum's ORTModelForCausalLM opens. The fp32 standard
-    graph of a model directory is streamed (traced without weights, then each weight written from the safetensors
-    into model.onnx.data): its memory is set by the largest tensor, not the model."""
+    sequence and past lengths) that ONNX Runtime runs; optimum's ORTModelForCausalLM opens the standard graph. The
+    fp32 graphs of a model directory are streamed (each weight written from the safetensors into model.onnx.data as
+    it is reached): the memory is set by the largest tensor, not the model."""
     import warnings
 
     from quantgate.export.onnx import export_checkpoint
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _emit(export_checkpoint(model, out, int(opset), graph, dtype), False)
+        _emit(export_checkpoint(model, out, int(opset), graph, dtype, gdn_op=gdn_op), False)
 
 
 @main.command()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import partial
 from pathlib import Path
 
 from quantgate import __version__
@@ -29,7 +30,7 @@ from quantgate.info import header_config, param_count
 from quantgate.layouts import DEFAULT_LAYOUT_FOR_GATE, LAYOUTS
 from quantgate.model import Model, pytorch_only, without_attention
 
-from .onnx_gqa import build_gqa_graph
+from .onnx_gqa import build_gqa_graph, check_gdn_op, default_gdn_op
 from .onnx_stream import (DecoderWithPast, example_inputs, export_copy, plan_bytes, trace_graph,  # noqa: F401
                           write_weights)
 
@@ -40,21 +41,19 @@ DTYPES = ("fp32", "fp16")
 GRAPHS = ("standard", "gqa")
 
 
-def trace_to_onnx(model: Model, path: Path, opset: int = 23, dtype: str = "fp32", graph_form: str = "standard") -> None:
+def trace_to_onnx(model: Model, path: Path, opset: int = 23, dtype: str = "fp32", graph_form: str = "standard",
+                  gdn_op: str | None = None) -> None:
     """`model` as an ONNX decoder at `path`: the traced graph with its weights streamed from the model's state dict
-    (write_onnx), or, for graph_form 'gqa', the hand-built GroupQueryAttention graph of export/onnx_gqa.py."""
-    import onnx
-
+    (write_onnx), or, for graph_form 'gqa', the hand-built graph on ORT's fused ops of export/onnx_gqa.py."""
     if graph_form != "gqa":
         write_onnx(model.cfg, model.state_dict(), path, opset, dtype)
         return
-    graph = build_gqa_graph(model)
-    inline = weight_bytes(graph) <= INLINE_LIMIT
-    if inline:  # the checker serializes a graph it is given: only below protobuf's 2 GiB limit
-        onnx.checker.check_model(graph)
-    _save(graph, path, dtype)
-    if not inline and dtype == "fp32":  # a Qwen3-0.6B-sized graph (2.4 GB) is checked from its file
-        onnx.checker.check_model(str(path))
+    build_gqa_graph(model.cfg, model.state_dict(), path, gdn_op)
+    if dtype == "fp16":
+        import onnx
+        graph = onnx.load(str(path))
+        (path.parent / EXTERNAL_DATA).unlink(missing_ok=True)
+        _save(graph, path, dtype)
 
 
 def write_onnx(cfg, weights, path: Path, opset: int = 23, dtype: str = "fp32") -> None:
@@ -125,14 +124,15 @@ def _scopes(node) -> list[str]:
 
 
 def export_onnx(model: Model, tokenizer, out_dir: str | Path, opset: int = 23, graph: str = "standard",
-                dtype: str = "fp32", layout: str | None = None, source: str = "", inputs: tuple = ()) -> Path:
+                dtype: str = "fp32", layout: str | None = None, source: str = "", inputs: tuple = (),
+                gdn_op: str | None = None) -> Path:
     """Write `out_dir` (atomically): model.onnx, config.json, tokenizer, generation_config.json, quantgate.json."""
-    return _export(model.cfg, tokenizer, out_dir, lambda path: trace_to_onnx(model, path, opset, dtype, graph),
-                   opset, graph, dtype, layout, source, inputs)
+    return _export(model.cfg, tokenizer, out_dir, lambda path: trace_to_onnx(model, path, opset, dtype, graph, gdn_op),
+                   opset, graph, dtype, layout, source, inputs, gdn_op)
 
 
 def _export(cfg, tokenizer, out_dir: str | Path, write, opset: int, graph: str, dtype: str, layout: str | None,
-            source: str, inputs: tuple) -> Path:
+            source: str, inputs: tuple, gdn_op: str | None = None) -> Path:
     """The export directory around `write(path of model.onnx)`: options and model checked first, then everything
     written into a temporary folder renamed into place."""
     if opset not in OPSETS:
@@ -151,9 +151,10 @@ def _export(cfg, tokenizer, out_dir: str | Path, write, opset: int, graph: str, 
     pytorch_only(cfg, "ONNX export")
     if without_attention(cfg):
         raise QuantgateError(without_attention(cfg))
+    if gdn_op is not None and (graph != "gqa" or not cfg.is_hybrid):
+        raise QuantgateError("--gdn-op applies to --graph gqa exports of hybrid (Gated DeltaNet) models")
     if cfg.is_hybrid and graph == "gqa":
-        raise QuantgateError("--graph gqa is built for all-attention models; export a hybrid (Gated DeltaNet) model "
-                             "with --graph standard")
+        check_gdn_op(gdn_op or default_gdn_op())
     if cfg.is_hybrid and dtype == "fp16":
         raise QuantgateError("--dtype fp16 is not available for hybrid (Gated DeltaNet) models: their recurrent state "
                              "is kept in fp32; export fp32 and quantize it (int8, int4)")
@@ -177,15 +178,16 @@ def _export(cfg, tokenizer, out_dir: str | Path, write, opset: int, graph: str, 
                 "gate": cfg.gate, "source": str(source), "source_layout": layout or "", "n_layers": cfg.n_layers,
                 "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
                 "bos_id": cfg.bos_id, "eos_id": cfg.eos_id, "quantization": None,
-                **({"layer_types": list(cfg.layer_types)} if cfg.is_hybrid else {})}
+                **({"layer_types": list(cfg.layer_types)} if cfg.is_hybrid else {}),
+                **({"gdn_op": gdn_op or default_gdn_op()} if cfg.is_hybrid and graph == "gqa" else {})}
         (tmp / "quantgate.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out_dir
 
 
 # What an export that holds the whole model held at its peak per parameter: 14.1 GB for the Qwen3.5-0.8B shape's
 # 0.75 B (benchmarks/results/hybrid_laptop_shape.json), measured when every export traced the fp32 model in memory.
-# Only the paths that still need the model in memory use it now: --graph gqa, --dtype fp16, and a GGUF or ONNX
-# source (read back into a model first); the fp32 standard graph of a model directory streams.
+# Only the paths that still need the model in memory use it now: --dtype fp16, and a GGUF or ONNX source (read back
+# into a model first); both fp32 graphs of a model directory stream.
 EXPORT_BYTES_PER_PARAM = 19
 
 
@@ -209,25 +211,26 @@ def check_export_memory(model_path: str | Path, why: str) -> None:
 
 
 def export_checkpoint(model_path: str | Path, out_dir: str | Path, opset: int = 23, graph: str = "standard",
-                      dtype: str = "fp32") -> dict:
+                      dtype: str = "fp32", gdn_op: str | None = None) -> dict:
     """`quantgate export onnx`: write the ONNX directory of any layout the loader reads (or of a GGUF). The fp32
     standard graph of a model directory is streamed from its safetensors tensor by tensor (write_onnx), so no
     verb holds the model; the other forms load it first."""
     check_output(out_dir, "onnx", (model_path,))
     kind = artifact_kind(model_path)
-    if kind == "hf" and graph == "standard" and dtype == "fp32":
+    if kind == "hf" and dtype == "fp32":
         ckpt = open_hf(model_path)
         cfg = ckpt.cfg
-        _export(cfg, ckpt.tokenizer, out_dir, lambda path: write_onnx(cfg, ckpt.weights(), path, opset, dtype),
-                opset, graph, dtype, ckpt.layout.name, str(model_path), (model_path,))
+        write = (partial(write_onnx, cfg, ckpt.weights(), opset=opset, dtype=dtype) if graph == "standard"
+                 else partial(build_gqa_graph, cfg, ckpt.weights(), gdn_op=gdn_op))
+        _export(cfg, ckpt.tokenizer, out_dir, lambda path: write(path=path), opset, graph, dtype, ckpt.layout.name,
+                str(model_path), (model_path,), gdn_op)
     else:
-        why = ("--graph gqa" if graph == "gqa" else "--dtype fp16" if dtype == "fp16"
-               else f"exporting a {kind.upper()} file")
+        why = "--dtype fp16" if dtype == "fp16" else f"exporting a {kind.upper()} file"
         check_export_memory(model_path, why)
         loaded = load_checkpoint(model_path)
         cfg = loaded.model.cfg
         export_onnx(loaded.model, loaded.tokenizer, out_dir, opset, graph, dtype, layout=loaded.layout,
-                    source=str(model_path), inputs=(model_path,))
+                    source=str(model_path), inputs=(model_path,), gdn_op=gdn_op)
     size = onnx_bytes(Path(out_dir))
     return {"model": str(model_path), "out": str(out_dir), "gate": cfg.gate, "opset": opset,
             "graph": graph, "dtype": dtype, "bytes": size}

@@ -1,128 +1,292 @@
-"""The `--graph gqa` form: a decoder built node by node around ORT's `com.microsoft.GroupQueryAttention`.
+"""The `--graph gqa` form: a decoder built node by node on ONNX Runtime's own fused CPU ops.
 
-No exporter emits GroupQueryAttention from PyTorch, so this graph is written by hand (onnx.helper), the
-way onnxruntime-genai's builder writes Qwen3.5: per layer RMSNorm, one MatMul for q and gate rows (as
-Qwen3-Next fuses them), k and v MatMuls, QK-RMSNorm per head, then GroupQueryAttention with rotary
-inside (do_rotary=1, cos/sin caches as initializers) and the KV cache as its past/present tensors, then
-sigmoid(gate) * attention output before the o_proj MatMul (no ORT attention op takes an output gate,
-DESIGN section 4). Inputs, outputs and weight names match the traced graph, so the runner, the
-quantizers and the gate-survival reader treat both forms alike.
+No exporter emits ORT's contrib ops from PyTorch, so this graph is written by hand (onnx.helper), the way
+onnxruntime-genai's builder writes Qwen3.5 (QWEN35.md section 4.1):
+
+- full attention: per layer RMSNorm, one MatMul for q and gate rows (as Qwen3-Next fuses them), k and v MatMuls,
+  QK-RMSNorm per head, then `com.microsoft.GroupQueryAttention` with rotary inside (do_rotary=1, cos/sin caches as
+  initializers, partial rotary by the caches' width) and the KV cache as its past/present tensors, then
+  sigmoid(gate) * attention output before the o_proj MatMul (no ORT attention op takes an output gate, DESIGN
+  section 4);
+- a hybrid's Gated DeltaNet layers: in_proj_qkv -> `CausalConvWithState` (SiLU inside, its state past.conv.i) ->
+  q, k, v; then either (gdn_op "linear_attention", ORT 1.31+) per-head L2 norm (eps inside the root, as HF and
+  our model) -> `LinearAttentionGate` (decay, beta) -> `LinearAttention` (gated_delta, state [B, Hv, dk, dv]), or
+  (gdn_op "gated_delta_net", ORT 1.32+) one `GatedDeltaNet` with the L2 norm and both gates inside (its state is
+  V-major, [B, Hv, dv, dk]); then `GatedRMSNorm` (norm(o) * silu(z)) and out_proj.
+
+Inputs, outputs and weight names match the traced graph (export/onnx_stream.py), so the runner, the quantizers and
+the weight reader treat both forms alike. Weights are written to model.onnx.data one tensor at a time as the graph
+is built (from a state dict or a checkpoint's lazily read tensors), so the export never holds the model, and folded
+into model.onnx when they fit (as write_onnx does).
+
+`logits_to_keep` (an int64 scalar input after the caches) is how many trailing positions get logits: 1 is all a
+prompt's prefill and each decode step need (the head is a vocabulary-wide MatMul per position), the sequence length
+gives every position's (eval). A required input, not one with a default: ORT cannot bind an overridable initializer
+with IOBinding, and warns about it at every session start.
 """
 from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from quantgate.formats.onnx_io import io_names
-from quantgate.model import Model
+from quantgate.formats.onnx_io import EXTERNAL_DATA, INLINE_LIMIT, LOGITS_TO_KEEP, DataWriter, io_names, save_onnx
+from quantgate.model import ModelConfig
+from quantgate.progress import track
 
-OPSET = 23  # RMSNormalization is a standard op from 23; GroupQueryAttention lives in com.microsoft
+from .onnx_stream import source_tensor
+
+OPSET = 23  # RMSNormalization is a standard op from 23; the fused ops live in com.microsoft
+GDN_OPS = ("linear_attention", "gated_delta_net")
+
+L2_EPS = 1e-6  # model.l2norm's eps (HF's and FLA's): inside the root, so ONNX's LpNormalization (no eps) is not used
 
 
-def build_gqa_graph(model: Model):
-    from onnx import TensorProto, helper, numpy_helper
+def default_gdn_op() -> str:
+    """LinearAttention: in ORT 1.31 and 1.32, and on Qwen3.5-0.8B's layer shapes (2 threads, fp32) 1.45x
+    GatedDeltaNet's prefill and on par at decode, both within 3e-6 of float64 PyTorch
+    (benchmarks/results/onnx_gdn_ops.json)."""
+    return "linear_attention"
 
-    cfg = model.cfg
-    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    nodes, inits = [], []
 
-    def init(name: str, array: np.ndarray) -> str:
-        inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+GDN_OP_NEEDS = {"linear_attention": (1, 31), "gated_delta_net": (1, 32)}  # the first ORT with its CPU kernels
+
+
+def check_gdn_op(gdn_op: str) -> None:
+    """The op is known and the installed onnxruntime runs it on the CPU (QWEN35.md section 4.2)."""
+    import onnxruntime as ort
+    from quantgate.errors import QuantgateError
+    if gdn_op not in GDN_OPS:
+        raise QuantgateError(f"unknown --gdn-op {gdn_op!r}; choose from {', '.join(GDN_OPS)}")
+    need = GDN_OP_NEEDS[gdn_op]
+    if tuple(int(x) for x in ort.__version__.split(".")[:2]) < need:
+        raise QuantgateError(f"--graph gqa with --gdn-op {gdn_op} needs onnxruntime >= {need[0]}.{need[1]} (its CPU "
+                             f"kernels); this one is {ort.__version__}: upgrade it, or export --graph standard")
+
+
+def gdn_state_shape(cfg: ModelConfig, gdn_op: str) -> list[int]:
+    """A Gated DeltaNet layer's recurrent state without its batch dim, as the op reads it."""
+    dk, dv = cfg.linear_key_dim, cfg.linear_value_dim
+    return [cfg.linear_value_heads, dv, dk] if gdn_op == "gated_delta_net" else [cfg.linear_value_heads, dk, dv]
+
+
+class _Builder:
+    """Nodes and initializers of one graph; initializers over 1 KiB go straight to the data file."""
+
+    def __init__(self, folder: Path):
+        self.nodes, self.inits = [], []
+        self.writer = DataWriter(folder / EXTERNAL_DATA)
+
+    def init(self, name: str, array) -> str:
+        from onnx import numpy_helper
+        a = np.asarray(array)  # not ascontiguousarray, which makes a scalar 1-D
+        self.inits.append(self.writer.put(numpy_helper.from_array(a if a.flags.c_contiguous else a.copy(), name)))
         return name
 
-    def node(op: str, inputs: list[str], name: str, n_out: int = 1, domain: str = "", **attrs) -> list[str]:
+    def node(self, op: str, inputs: list[str], name: str, n_out: int = 1, domain: str = "", **attrs) -> list[str]:
+        from onnx import helper
         outs = [f"{name}/out{k}" for k in range(n_out)]
-        nodes.append(helper.make_node(op, inputs, outs, name=name, domain=domain, **attrs))
+        self.nodes.append(helper.make_node(op, inputs, outs, name=name, domain=domain, **attrs))
         return outs
 
-    def linear(x: str, module: str, weight: np.ndarray) -> str:
-        w = init(f"{module}.weight_T", weight.T)
-        return node("MatMul", [x, w], f"{module}.MatMul")[0]
 
-    def rmsnorm(x: str, weight_name: str, scope: str) -> str:
-        return node("RMSNormalization", [x, init(weight_name, sd[weight_name[len('model.'):]])], f"{scope}/RMSNorm",
-                    axis=-1, epsilon=cfg.norm_eps)[0]
+def build_gqa_graph(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], path: Path,
+                    gdn_op: str | None = None) -> None:
+    """Write the decoder of `cfg` with `weights` (our parameter names -> tensors of any float dtype) to `path`
+    (model.onnx, and model.onnx.data beside it when the weights are over 1 GiB), in a folder this call owns."""
+    import onnx
+    from onnx import TensorProto, helper
 
-    def shape_const(name: str, values: list[int]) -> str:
-        return init(name, np.array(values, dtype=np.int64))
+    gdn_op = gdn_op or default_gdn_op()
+    check_gdn_op(gdn_op)
+    b = _Builder(path.parent)
+    H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
 
-    names_in, names_out = io_names(cfg.n_layers)
-    # rotary caches: positions x (rotary_dim / 2), NEOX order, as our rope_cache computes them
-    r = cfg.rotary_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32) / r))
-    freqs = torch.arange(cfg.max_seq_len, dtype=torch.float32)[:, None] * inv[None]
-    cos, sin = init("cos_cache", freqs.cos().numpy()), init("sin_cache", freqs.sin().numpy())
+    def weight(param: str) -> np.ndarray:
+        return source_tensor(weights, cfg, param).float().numpy()
 
-    h = node("Gather", [init("model.embed_tokens.weight", sd["embed_tokens.weight"]), "input_ids"], "embed")[0]
-    lens = node("ReduceSum", ["attention_mask", shape_const("axis1", [1])], "seqlens/sum", keepdims=0)[0]
-    lens = node("Sub", [lens, init("one_i64", np.array(1, dtype=np.int64))], "seqlens/sub")[0]
-    seqlens_k = node("Cast", [lens], "seqlens/cast", to=TensorProto.INT32)[0]
-    total = node("Shape", ["attention_mask"], "total/shape", start=1, end=2)[0]
-    total = node("Squeeze", [total], "total/squeeze")[0]
-    total = node("Cast", [total], "total/cast", to=TensorProto.INT32)[0]
-    bs_heads = shape_const("shape_bs_h_hd", [0, 0, -1, hd])
-    bs_flat = shape_const("shape_bs_flat", [0, 0, -1])
+    def linear(x: str, module: str, param: str) -> str:
+        w = b.init(f"{module}.weight_T", weight(param).T)
+        return b.node("MatMul", [x, w], f"{module}.MatMul")[0]
 
-    for i in range(cfg.n_layers):
+    def rmsnorm(x: str, param: str, scope: str) -> str:
+        return b.node("RMSNormalization", [x, b.init(f"model.{param}", weight(param))], f"{scope}/RMSNorm",
+                      axis=-1, epsilon=cfg.norm_eps)[0]
+
+    def const(name: str, values, dtype=np.int64) -> str:
+        return b.init(name, np.array(values, dtype=dtype))
+
+    names_in, names_out = io_names(cfg.layer_types or cfg.n_layers)
+    bs_heads, bs_flat = const("shape_bs_h_hd", [0, 0, -1, hd]), const("shape_bs_flat", [0, 0, -1])
+    h = b.node("Gather", [b.init("model.embed_tokens.weight", weight("embed_tokens.weight")), "input_ids"],
+               "embed")[0]
+    if cfg.full_attention_layers:
+        seqlens_k, total = _seqlens(b)
+        cos, sin = _rope_caches(b, cfg)
+    layers = range(cfg.n_layers)
+    for i in track(layers, f"writing {path.name}", total=cfg.n_layers, memory=True):
         p, m = f"layers.{i}", f"model.layers.{i}"
-        x = rmsnorm(h, f"{m}.input_layernorm.weight", f"{m}/input_norm")
-        q_rows = H * hd
-        if cfg.gate != "none":
-            w_qg = np.concatenate([sd[f"{p}.self_attn.q_proj.weight"], sd[f"{p}.self_attn.g_proj.weight"]], axis=0)
-            qg = linear(x, f"{m}.self_attn.qg_proj", w_qg)
-            q, g = node("Split", [qg, init(f"{m}/split_sizes", np.array([q_rows, cfg.gate_dim], dtype=np.int64))],
-                        f"{m}/split_qg", n_out=2, axis=-1)
+        x = rmsnorm(h, f"{p}.input_layernorm.weight", f"{m}/input_norm")
+        past, present = names_in[3 + 2 * i: 5 + 2 * i], names_out[1 + 2 * i: 3 + 2 * i]
+        if cfg.layer_type(i) == "linear_attention":
+            o = _gated_delta_net(b, cfg, i, x, past, present, gdn_op, weight, linear)
         else:
-            q, g = linear(x, f"{m}.self_attn.q_proj", sd[f"{p}.self_attn.q_proj.weight"]), None
-        k = linear(x, f"{m}.self_attn.k_proj", sd[f"{p}.self_attn.k_proj.weight"])
-        v = linear(x, f"{m}.self_attn.v_proj", sd[f"{p}.self_attn.v_proj.weight"])
-        if cfg.qk_norm:  # per head: [B, S, heads, hd] -> RMSNorm over hd -> back
-            for name in ("q", "k"):
-                t = q if name == "q" else k
-                t = node("Reshape", [t, bs_heads], f"{m}/{name}_heads")[0]
-                t = rmsnorm(t, f"{m}.self_attn.{name}_norm.weight", f"{m}/{name}_norm")
-                t = node("Reshape", [t, bs_flat], f"{m}/{name}_flat")[0]
-                q, k = (t, k) if name == "q" else (q, t)
-        attn, present_k, present_v = node(
-            "GroupQueryAttention", [q, k, v, names_in[3 + 2 * i], names_in[4 + 2 * i], seqlens_k, total, cos, sin],
-            f"{m}.self_attn/GroupQueryAttention", n_out=3, domain="com.microsoft", num_heads=H, kv_num_heads=KV,
-            do_rotary=1, rotary_interleaved=0, scale=float(hd) ** -0.5)
-        nodes[-1].output[1:] = [names_out[1 + 2 * i], names_out[2 + 2 * i]]
-        if g is not None:  # the gate: sigmoid(X W_g) per head (headwise) or per channel (elementwise)
-            sg = node("Sigmoid", [g], f"{m}/gate_sigmoid")[0]
-            if cfg.gate == "headwise":
-                a = node("Reshape", [attn, bs_heads], f"{m}/attn_heads")[0]
-                sg = node("Unsqueeze", [sg, shape_const(f"{m}/axis_last", [-1])], f"{m}/gate_unsqueeze")[0]
-                attn = node("Reshape", [node("Mul", [a, sg], f"{m}/gate_mul")[0], bs_flat], f"{m}/attn_flat")[0]
-            else:
-                attn = node("Mul", [attn, sg], f"{m}/gate_mul")[0]
-        o = linear(attn, f"{m}.self_attn.o_proj", sd[f"{p}.self_attn.o_proj.weight"])
-        h = node("Add", [h, o], f"{m}/residual_attn")[0]
-        x = rmsnorm(h, f"{m}.post_attention_layernorm.weight", f"{m}/post_norm")
-        gate = linear(x, f"{m}.mlp.gate_proj", sd[f"{p}.mlp.gate_proj.weight"])
-        up = linear(x, f"{m}.mlp.up_proj", sd[f"{p}.mlp.up_proj.weight"])
-        silu = node("Mul", [gate, node("Sigmoid", [gate], f"{m}/mlp_sigmoid")[0]], f"{m}/mlp_silu")[0]
-        down = linear(node("Mul", [silu, up], f"{m}/mlp_mul")[0], f"{m}.mlp.down_proj", sd[f"{p}.mlp.down_proj.weight"])
-        h = node("Add", [h, down], f"{m}/residual_mlp")[0]
-    h = rmsnorm(h, "model.norm.weight", "model/final_norm")
-    if cfg.tie_embeddings:  # one stored matrix, as in the traced graph (which also leaves it unquantized)
-        w_t = node("Transpose", ["model.embed_tokens.weight"], "model.lm_head/Transpose", perm=[1, 0])[0]
-        node("MatMul", [h, w_t], "model.lm_head.MatMul")
+            o = _attention(b, cfg, i, x, past, present, (seqlens_k, total, cos, sin), bs_heads, bs_flat,
+                           linear, rmsnorm)
+        h = b.node("Add", [h, o], f"{m}/residual_attn")[0]
+        x = rmsnorm(h, f"{p}.post_attention_layernorm.weight", f"{m}/post_norm")
+        gate = linear(x, f"{m}.mlp.gate_proj", f"{p}.mlp.gate_proj.weight")
+        up = linear(x, f"{m}.mlp.up_proj", f"{p}.mlp.up_proj.weight")
+        silu = b.node("Mul", [gate, b.node("Sigmoid", [gate], f"{m}/mlp_sigmoid")[0]], f"{m}/mlp_silu")[0]
+        down = linear(b.node("Mul", [silu, up], f"{m}/mlp_mul")[0], f"{m}.mlp.down_proj", f"{p}.mlp.down_proj.weight")
+        h = b.node("Add", [h, down], f"{m}/residual_mlp")[0]
+    # the last logits_to_keep positions only (default 1: what a prefill needs), before the norm and the head
+    start = b.node("Neg", [b.node("Unsqueeze", [LOGITS_TO_KEEP, const("axis0", [0])], "keep/unsqueeze")[0]],
+                   "keep/neg")[0]
+    h = b.node("Slice", [h, start, const("int64_max", [np.iinfo(np.int64).max]), const("axis1", [1])], "keep/slice")[0]
+    h = rmsnorm(h, "norm.weight", "model/final_norm")
+    if cfg.tie_embeddings:  # one stored matrix, as in the traced graph (quantize_onnx gives the head its own copy)
+        w_t = b.node("Transpose", ["model.embed_tokens.weight"], "model.lm_head/Transpose", perm=[1, 0])[0]
+        b.node("MatMul", [h, w_t], "model.lm_head.MatMul")
     else:
-        linear(h, "model.lm_head", sd["lm_head.weight"])
-    nodes[-1].output[0] = "logits"  # the graph output's name
+        linear(h, "model.lm_head", "lm_head.weight")
+    b.nodes[-1].output[0] = "logits"  # the graph output's name
 
     f32 = TensorProto.FLOAT
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence_length"]),
               helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "total_sequence_length"]),
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "sequence_length"])]
-    inputs += [helper.make_tensor_value_info(n, f32, ["batch", KV, "past_sequence_length", hd]) for n in names_in[3:]]
-    outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "sequence_length", cfg.vocab_size])]
-    outputs += [helper.make_tensor_value_info(n, f32, ["batch", KV, "total_sequence_length", hd]) for n in names_out[1:]]
-    graph = helper.make_graph(nodes, "quantgate_gqa_decoder", inputs, outputs, inits)
-    model_proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
-                                                          helper.make_opsetid("com.microsoft", 1)],
-                                    producer_name="quantgate")
-    model_proto.ir_version = 10
-    return model_proto
+    outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "logits_length", cfg.vocab_size])]
+    for i in range(cfg.n_layers):
+        past, present = names_in[3 + 2 * i: 5 + 2 * i], names_out[1 + 2 * i: 3 + 2 * i]
+        if cfg.layer_type(i) == "linear_attention":
+            shapes = [[cfg.linear_conv_dim, cfg.linear_conv_kernel - 1], gdn_state_shape(cfg, gdn_op)]
+            inputs += [helper.make_tensor_value_info(n, f32, ["batch", *s]) for n, s in zip(past, shapes)]
+            outputs += [helper.make_tensor_value_info(n, f32, ["batch", *s]) for n, s in zip(present, shapes)]
+        else:
+            inputs += [helper.make_tensor_value_info(n, f32, ["batch", KV, "past_sequence_length", hd]) for n in past]
+            outputs += [helper.make_tensor_value_info(n, f32, ["batch", KV, "total_sequence_length", hd])
+                        for n in present]
+    inputs.append(helper.make_tensor_value_info(LOGITS_TO_KEEP, TensorProto.INT64, []))
+    b.writer.close()
+    graph = helper.make_graph(b.nodes, "quantgate_gqa_decoder", inputs, outputs, b.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                    helper.make_opsetid("com.microsoft", 1)],
+                              producer_name="quantgate")
+    model.ir_version = 10  # ORT 1.31 refuses onnx 1.23's default IR 14
+    onnx.save(model, str(path))
+    onnx.checker.check_model(str(path))  # from the file: external data's headers, not its bytes
+    if b.writer.offset <= INLINE_LIMIT:  # a small model is one file, as every export of quantgate's
+        whole = onnx.load(str(path))
+        (path.parent / EXTERNAL_DATA).unlink()
+        save_onnx(whole, path)
+
+
+def _seqlens(b: _Builder) -> tuple[str, str]:
+    """GroupQueryAttention's seqlens_k (cached + new tokens - 1, per row) and total length, from attention_mask."""
+    from onnx import TensorProto
+    lens = b.node("ReduceSum", ["attention_mask", b.init("axis1_sum", np.array([1], dtype=np.int64))], "seqlens/sum",
+                  keepdims=0)[0]
+    lens = b.node("Sub", [lens, b.init("one_i64", np.array(1, dtype=np.int64))], "seqlens/sub")[0]
+    seqlens_k = b.node("Cast", [lens], "seqlens/cast", to=TensorProto.INT32)[0]
+    total = b.node("Shape", ["attention_mask"], "total/shape", start=1, end=2)[0]
+    total = b.node("Squeeze", [total], "total/squeeze")[0]
+    return seqlens_k, b.node("Cast", [total], "total/cast", to=TensorProto.INT32)[0]
+
+
+def _rope_caches(b: _Builder, cfg: ModelConfig) -> tuple[str, str]:
+    """cos/sin caches: positions x (rotary_dim / 2), NEOX order, as model.rope_cache computes them."""
+    r = cfg.rotary_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32) / r))
+    freqs = torch.arange(cfg.max_seq_len, dtype=torch.float32)[:, None] * inv[None]
+    return b.init("cos_cache", freqs.cos().numpy()), b.init("sin_cache", freqs.sin().numpy())
+
+
+def _attention(b: _Builder, cfg: ModelConfig, i: int, x: str, past, present, rope, bs_heads, bs_flat,
+               linear, rmsnorm) -> str:
+    """One full-attention layer's mixer output (before the residual add)."""
+    H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    p, m = f"layers.{i}", f"model.layers.{i}"
+    if cfg.gate != "none":
+        qg = linear(x, f"{m}.self_attn.qg_proj", f"{p}.self_attn.qg_proj.weight")
+        q, g = b.node("Split", [qg, b.init(f"{m}/split_sizes", np.array([H * hd, cfg.gate_dim], dtype=np.int64))],
+                      f"{m}/split_qg", n_out=2, axis=-1)
+    else:
+        q, g = linear(x, f"{m}.self_attn.q_proj", f"{p}.self_attn.q_proj.weight"), None
+    k = linear(x, f"{m}.self_attn.k_proj", f"{p}.self_attn.k_proj.weight")
+    v = linear(x, f"{m}.self_attn.v_proj", f"{p}.self_attn.v_proj.weight")
+    if cfg.qk_norm:  # per head: [B, S, heads, hd] -> RMSNorm over hd -> back
+        q, k = (b.node("Reshape", [rmsnorm(b.node("Reshape", [t, bs_heads], f"{m}/{n}_heads")[0],
+                                           f"{p}.self_attn.{n}_norm.weight", f"{m}/{n}_norm"), bs_flat],
+                       f"{m}/{n}_flat")[0] for n, t in (("q", q), ("k", k)))
+    seqlens_k, total, cos, sin = rope
+    attn = b.node("GroupQueryAttention", [q, k, v, past[0], past[1], seqlens_k, total, cos, sin],
+                  f"{m}.self_attn/GroupQueryAttention", n_out=3, domain="com.microsoft", num_heads=H,
+                  kv_num_heads=KV, do_rotary=1, rotary_interleaved=0, scale=float(hd) ** -0.5)[0]
+    b.nodes[-1].output[1:] = present
+    if g is not None:  # the gate: sigmoid(X W_g) per head (headwise) or per channel (elementwise)
+        sg = b.node("Sigmoid", [g], f"{m}/gate_sigmoid")[0]
+        if cfg.gate == "headwise":
+            a = b.node("Reshape", [attn, bs_heads], f"{m}/attn_heads")[0]
+            sg = b.node("Unsqueeze", [sg, b.init(f"{m}/axis_last", np.array([-1], dtype=np.int64))],
+                        f"{m}/gate_unsqueeze")[0]
+            attn = b.node("Reshape", [b.node("Mul", [a, sg], f"{m}/gate_mul")[0], bs_flat], f"{m}/attn_flat")[0]
+        else:
+            attn = b.node("Mul", [attn, sg], f"{m}/gate_mul")[0]
+    return linear(attn, f"{m}.self_attn.o_proj", f"{p}.self_attn.o_proj.weight")
+
+
+def _gated_delta_net(b: _Builder, cfg: ModelConfig, i: int, x: str, past, present, gdn_op: str, weight,
+                     linear) -> str:
+    """One Gated DeltaNet layer's mixer output (before the residual add), on ORT's fused ops."""
+    Hk, Hv, dk, dv = cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
+    p, m = f"layers.{i}.linear_attn", f"model.layers.{i}.linear_attn"
+    qkv = linear(x, f"{m}.in_proj_qkv", f"{p}.in_proj_qkv.weight")
+    qkv = b.node("Transpose", [qkv], f"{m}/to_channels", perm=[0, 2, 1])[0]             # [B, C, T]
+    conv = b.node("CausalConvWithState", [qkv, b.init(f"{m}.conv1d.weight", weight(f"{p}.conv1d.weight")), "",
+                                          past[0]], f"{m}/CausalConvWithState", n_out=2, domain="com.microsoft",
+                  activation="silu", ndim=1)
+    b.nodes[-1].output[1] = present[0]
+    mixed = b.node("Transpose", [conv[0]], f"{m}/to_tokens", perm=[0, 2, 1])[0]          # [B, T, C]
+    q, k, v = b.node("Split", [mixed, b.init(f"{m}/split_sizes", np.array([Hk * dk, Hk * dk, Hv * dv], np.int64))],
+                     f"{m}/split_qkv", n_out=3, axis=-1)
+    a = linear(x, f"{m}.in_proj_a", f"{p}.in_proj_a.weight")
+    beta = linear(x, f"{m}.in_proj_b", f"{p}.in_proj_b.weight")
+    dt_bias = b.init(f"{m}.dt_bias", weight(f"{p}.dt_bias"))
+    shape_k = b.init(f"{m}/shape_k", np.array([0, 0, Hk, dk], np.int64))
+    flat = b.init(f"{m}/shape_flat", np.array([0, 0, -1], np.int64))
+    # L2 norm per head here (eps inside the root), not GatedDeltaNet's qk_l2_norm: with it the logits were 1.2e-5
+    # of the largest from PyTorch's, 3e-6 without (tiny hybrid, ORT 1.32)
+    q, k = (_l2norm(b, t, shape_k, flat, f"{m}/{n}_l2", dk ** -0.5 if n == "q" else 1.0) for n, t in (("q", q), ("k", k)))
+    if gdn_op == "gated_delta_net":
+        q4, k4 = (b.node("Reshape", [t, shape_k], f"{m}/{n}_heads")[0] for n, t in (("q", q), ("k", k)))
+        v4 = b.node("Reshape", [v, b.init(f"{m}/shape_v", np.array([0, 0, Hv, dv], np.int64))], f"{m}/v_heads")[0]
+        o, _ = b.node("GatedDeltaNet", [q4, k4, v4, "", a, beta, past[1], b.init(f"{m}.A_log", weight(f"{p}.A_log")),
+                                        dt_bias], f"{m}/GatedDeltaNet", n_out=2, domain="com.microsoft",
+                      gate_activation="softplus", beta_activation="sigmoid", qk_l2_norm=0, scale=1.0,
+                      update_rule="gated_delta")
+        b.nodes[-1].output[1] = present[1]
+        o = b.node("Reshape", [o, flat], f"{m}/o_flat")[0]
+    else:
+        decay, beta = b.node("LinearAttentionGate", [a, dt_bias, b.init(f"{m}.A", -np.exp(weight(f"{p}.A_log"))), beta],
+                             f"{m}/LinearAttentionGate", n_out=2, domain="com.microsoft")
+        o, _ = b.node("LinearAttention", [q, k, v, past[1], decay, beta], f"{m}/LinearAttention", n_out=2,
+                      domain="com.microsoft", q_num_heads=Hk, kv_num_heads=Hv, update_rule="gated_delta", scale=1.0)
+        b.nodes[-1].output[1] = present[1]
+    z = linear(x, f"{m}.in_proj_z", f"{p}.in_proj_z.weight")
+    y = b.node("GatedRMSNorm", [o, b.init(f"{m}.norm.weight", weight(f"{p}.norm.weight")), z], f"{m}/GatedRMSNorm",
+               domain="com.microsoft", activation="silu", epsilon=cfg.norm_eps)[0]
+    return linear(y, f"{m}.out_proj", f"{p}.out_proj.weight")
+
+
+def _l2norm(b: _Builder, t: str, shape_heads: str, flat: str, scope: str, scale: float) -> str:
+    """scale * t / sqrt(sum(t^2) + eps) per head, on [B, T, H * d] (model.l2norm)."""
+    x = b.node("Reshape", [t, shape_heads], f"{scope}/heads")[0]
+    ss = b.node("ReduceSumSquare", [x, b.init(f"{scope}/axis", np.array([-1], np.int64))], f"{scope}/sumsq",
+                keepdims=1)[0]
+    root = b.node("Sqrt", [b.node("Add", [ss, b.init(f"{scope}/eps", np.array(L2_EPS, np.float32))], f"{scope}/eps")[0]],
+                  f"{scope}/sqrt")[0]
+    factor = b.node("Div", [b.init(f"{scope}/scale", np.array(scale, np.float32)), root], f"{scope}/factor")[0]
+    return b.node("Reshape", [b.node("Mul", [x, factor], f"{scope}/mul")[0], flat], f"{scope}/flat")[0]

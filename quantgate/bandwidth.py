@@ -25,6 +25,7 @@ from onnx import helper
 
 from .formats import artifact_kind, load_checkpoint
 from .formats.gguf import inspect_gguf, open_reader
+from .formats.onnx_io import decoder_inputs
 from .formats.onnx_io import resolve_onnx
 
 def copy_bandwidth(n_bytes: int = 256 << 20, repeats: int = 5) -> float:
@@ -113,7 +114,7 @@ def onnx_decode_bytes(path: str | Path) -> DecodeBytes:
             continue  # a lookup table: one row per token
         weights += size
     kv, state = 0, 0
-    for i in m.graph.input[3:]:
+    for i in decoder_inputs(m)[3:]:
         dims = [d.dim_value for d in i.type.tensor_type.shape.dim][1:]
         item = helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type).itemsize
         if i.name.endswith((".key", ".value")):

@@ -7,6 +7,10 @@
 | int8-weight  | MatMulNBits bits=8, one MatMul at a time   | int8 blocks          | float                |
 | int4         | MatMulNBits bits=4, one MatMul at a time   | int4 blocks          | float                |
 
+The MatMulNBits schemes also quantize the embedding table in the same blocks and bits (GatherBlockQuantized), and
+a tied model's head reads that one table (onnx_weight_only.shared_head): at Qwen3.5-0.8B's shape the fp32 table
+was half the int4 file. The int8 activation schemes leave the table float and give a tied head its own copy.
+
 The MatMulNBits schemes run ORT's own per-node quantizer on one weight at a time, read from the export's external
 data and written out at once (quantgate.onnx_weight_only: the bytes MatMulNBitsQuantizer writes, at the memory of
 one weight); the int8 activation schemes use ORT's whole-graph tools.
@@ -31,7 +35,7 @@ from .calib_data import calibration_windows, check_ctx, data_paths
 from .errors import QuantgateError
 from .formats.hf import available_memory
 from .formats.onnx import onnx_context
-from .formats.onnx_io import INLINE_LIMIT, check_graph, onnx_bytes, read_meta, resolve_onnx, save_onnx
+from .formats.onnx_io import INLINE_LIMIT, LOGITS_TO_KEEP, check_graph, onnx_bytes, read_meta, resolve_onnx, save_onnx
 from .fsio import atomic_dir, check_output
 from .onnx_weight_only import UNTIED, quantize_weight_only, tied_head
 from .quant.schemes import ONNX_SCHEMES, with_gate_bits
@@ -68,12 +72,14 @@ class _Calibration:
         for w in windows:
             ids = w[None, :-1]
             past = runner._empty_past(1)
+            keep = {LOGITS_TO_KEEP: np.array(ids.shape[1], dtype=np.int64)} if runner.keeps_last else {}
             feeds.append({"input_ids": ids, "attention_mask": np.ones_like(ids),
-                          "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None], **past})
+                          "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None], **past, **keep})
             _, present = runner.step(ids, past, 0)
             P = ids.shape[1]
+            keep = {LOGITS_TO_KEEP: np.array(1, dtype=np.int64)} if runner.keeps_last else {}
             feeds.append({"input_ids": w[None, -1:], "attention_mask": np.ones((1, P + 1), dtype=np.int64),
-                          "position_ids": np.array([[P]], dtype=np.int64), **present})
+                          "position_ids": np.array([[P]], dtype=np.int64), **present, **keep})
         self._it = iter(feeds)
 
     def get_next(self):
@@ -197,8 +203,9 @@ def _run(path: Path, out_dir: Path, scheme: str, gate_bits, block_size: int, gat
         try:
             if scheme in ("int8-weight", "int4"):  # one MatMul at a time (onnx_weight_only), ORT's kernels
                 skip, eight = set(kept), set(gates) if gate_bits else set()
-                quantize_weight_only(path, dst, lambda n: None if n in skip else 8 if scheme == "int8-weight"
-                                     or n in eight else 4, block_size)
+                base = 8 if scheme == "int8-weight" else 4
+                quantize_weight_only(path, dst, lambda n: None if n in skip else 8 if n in eight else base, block_size,
+                                     embed_bits=base)
             else:
                 _whole_graph(path, dst, Path(work), scheme, kept, windows)
         except (QuantgateError, OSError):

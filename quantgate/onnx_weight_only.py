@@ -22,90 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .formats.onnx_io import EXTERNAL_DATA, INLINE_LIMIT, save_onnx
+from .formats.onnx_io import EXTERNAL_DATA, INLINE_LIMIT, DataWriter, save_onnx
+from .formats.onnx_io import external as _external, raw_bytes as _raw
 from .memory import release_freed
 from .progress import track
 
-ALIGN = 4096
-CHUNK = 64 << 20  # bytes copied at a time from the export's data file
-INLINE_BYTES = 1024  # tensors this small stay in model.onnx (onnx.save's size_threshold in save_onnx)
+CHUNK = 64 << 20  # bytes written at a time when a tied head is transposed
 UNTIED = "model.lm_head.weight_T"
-
-
-class _DataWriter:
-    """Appends tensors to one external-data file and returns protos that point into it."""
-
-    def __init__(self, path: Path):
-        self.f, self.offset = open(path, "wb"), 0
-
-    def put(self, t, base: Path | None = None):
-        """A proto of `t` (read from `base`'s external data when it lives there): inline if tiny, else appended,
-        copied CHUNK bytes at a time from the source file."""
-        import onnx
-        out = _header(t)
-        where = _external(t)
-        if where is None or where[2] <= INLINE_BYTES:
-            raw = _raw(t, base)
-            if len(raw) <= INLINE_BYTES:
-                out.raw_data = raw
-                return out
-            pieces, n = [raw], len(raw)
-        else:
-            pieces, n = _chunks(base / where[0], where[1], where[2]), where[2]
-        pad = -self.offset % ALIGN
-        self.f.write(b"\0" * pad)
-        self.offset += pad
-        for piece in pieces:
-            self.f.write(piece)
-        out.data_location = onnx.TensorProto.EXTERNAL
-        for k, v in (("location", EXTERNAL_DATA), ("offset", str(self.offset)), ("length", str(n))):
-            e = out.external_data.add()
-            e.key, e.value = k, v
-        self.offset += n
-        return out
-
-    def close(self) -> None:
-        self.f.close()
-
-
-def _header(t):
-    """A copy of tensor proto `t` without its data."""
-    import onnx
-    h = onnx.TensorProto()
-    h.name, h.data_type = t.name, t.data_type
-    h.dims.extend(t.dims)
-    return h
-
-
-def _external(t) -> tuple[str, int, int] | None:
-    """(file, offset, length) of a tensor stored in external data, else None."""
-    import onnx
-    if t.data_location != onnx.TensorProto.EXTERNAL:
-        return None
-    info = {e.key: e.value for e in t.external_data}
-    if "length" not in info:
-        return None
-    return info["location"], int(info.get("offset", 0)), int(info["length"])
-
-
-def _chunks(path: Path, offset: int, length: int):
-    with open(path, "rb") as f:
-        f.seek(offset)
-        while length > 0:
-            piece = f.read(min(CHUNK, length))
-            if not piece:
-                raise OSError(f"{path}: external data ends before {length} more bytes")
-            length -= len(piece)
-            yield piece
-
-
-def _raw(t, base: Path | None) -> bytes:
-    """The bytes of tensor proto `t`, read from its external data file when it has one."""
-    from onnx import numpy_helper
-    where = _external(t)
-    if where is not None:
-        return b"".join(_chunks(base / where[0], where[1], where[2]))
-    return t.raw_data or numpy_helper.to_array(t, str(base or "")).tobytes()
 
 
 def _array(t, base: Path) -> np.ndarray:
@@ -129,7 +52,7 @@ def _transposed(t, base: Path, scratch: Path) -> np.ndarray:
     return np.memmap(scratch, dtype=np.float32, mode="r", shape=(t.dims[1], t.dims[0]))
 
 
-def _matmul_nbits(node, b_name: str, w: np.ndarray, quantizer, writer: "_DataWriter", bits: int, block_size: int):
+def _matmul_nbits(node, b_name: str, w: np.ndarray, quantizer, writer: "DataWriter", bits: int, block_size: int):
     """(MatMulNBits node, its weight protos) for MatMul `node` with weight `w` [K, N], as ORT's quantize_matmul
     builds them for a 2-D weight in QOperator form, symmetric (so no zero points)."""
     from onnx import helper, numpy_helper
@@ -144,31 +67,44 @@ def _matmul_nbits(node, b_name: str, w: np.ndarray, quantizer, writer: "_DataWri
     return qnode, protos
 
 
-def quantize_weight_only(src: Path, dst: Path, bits_of: Callable[[str], int | None], block_size: int) -> dict:
+def quantize_weight_only(src: Path, dst: Path, bits_of: Callable[[str], int | None], block_size: int,
+                         embed_bits: int | None = None) -> dict:
     """Write dst (model.onnx and model.onnx.data, in a fresh folder) from the export at src: every MatMul with a
     weight for which bits_of(node name) gives 4 or 8 becomes ORT's MatMulNBits (symmetric, accuracy_level 4, as
-    onnx_quantize's recipes); None leaves it float. Returns counts of the MatMuls by bits."""
+    onnx_quantize's recipes); None leaves it float. embed_bits (4 or 8): the embedding table's Gather becomes
+    GatherBlockQuantized over the same blocks (quantize_embedding), and a tied head at those bits reads that one
+    table. Returns counts of the MatMuls by bits."""
     import onnx
     from onnx import numpy_helper
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
 
     base = src.parent
     model = onnx.load(str(src), load_external_data=False)
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
-    quantizers = {b: DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(
-        block_size=block_size, is_symmetric=True, accuracy_level=4, bits=b)) for b in (4, 8)}
+    quantizers = {b: _block_quantizer(b, block_size) for b in (4, 8)}
     untie = tied_head(graph, inits)
-    writer = _DataWriter(dst.parent / EXTERNAL_DATA)
+    writer = DataWriter(dst.parent / EXTERNAL_DATA)
     counts = {4: 0, 8: 0, None: 0}
     new_nodes, new_inits = [], []
     scratch = dst.parent / ".untied-lm-head.bin"  # in the fresh output folder; removed below
+    table = None  # (packed name, scales name, [V, D]) of the quantized embedding, once written
     try:
         for node in track(list(graph.node), f"quantizing {src.parent.name}", total=len(graph.node), memory=True):
             if untie and node.op_type == "Transpose" and node.output[0] == untie[1]:
                 continue  # its MatMul reads the untied weight instead
+            if embed_bits and node.op_type == "Gather" and inits.get(node.input[0]) is not None \
+                    and len(inits[node.input[0]].dims) == 2:
+                qnode, protos, table = quantize_embedding(node, inits[node.input[0]], base, writer, embed_bits,
+                                                          block_size)
+                new_nodes.append(qnode)
+                new_inits.extend(protos)
+                continue
             b_name = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
             tied = untie is not None and b_name == untie[1]
+            if tied and table is not None and bits_of(node.name) == embed_bits:  # the head reads the same table
+                counts[embed_bits] += 1
+                new_nodes.extend(shared_head(node, table, embed_bits, block_size, new_inits))
+                continue
             b = inits.get(b_name) if b_name is not None else None
             if not tied and (b is None or len(b.dims) != 2 or b.data_type != onnx.TensorProto.FLOAT):
                 new_nodes.append(node)  # no constant 2-D fp32 weight: nothing ORT's quantizer would take either
@@ -208,6 +144,55 @@ def quantize_weight_only(src: Path, dst: Path, bits_of: Callable[[str], int | No
         (dst.parent / EXTERNAL_DATA).unlink()
         save_onnx(whole, dst)
     return {"int4": counts[4], "int8": counts[8], "float": counts[None]}
+
+
+def _block_quantizer(bits: int, block_size: int):
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
+    return DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True,
+                                                                   accuracy_level=4, bits=bits))
+
+
+def quantize_embedding(node, table, base: Path, writer: DataWriter, bits: int, block_size: int):
+    """(GatherBlockQuantized node, its weight protos, (packed, scales, [V, D])) for the embedding Gather `node`:
+    the [V, D] table in blocks of `block_size` along D, symmetric, by ORT's own block quantizer (each row of the
+    table is a column of the [D, V] matrix a tied head multiplies by, so MatMulNBits can read the same bytes:
+    shared_head). The packed rows are [V, D * bits / 8] and the zero point is implicit (2^(bits-1)), as
+    GatherBlockQuantized reads uint8 data. Quantized a block of rows at a time from the mapped table."""
+    from onnx import helper, numpy_helper
+    quantizer = _block_quantizer(bits, block_size)
+    a = _array(table, base)
+    V, D = a.shape
+    step = max(1, CHUNK // (4 * D))
+    packed, scales = [], []
+    for r in range(0, V, step):
+        p, s, _ = quantizer.qbits_block_quant(np.ascontiguousarray(a[r:r + step].T))
+        packed.append(p.reshape(p.shape[0], -1))
+        scales.append(s.reshape(p.shape[0], -1))
+    del a
+    name = table.name
+    protos = [writer.put(numpy_helper.from_array(np.concatenate(packed), f"{name}_Q{bits}")),
+              writer.put(numpy_helper.from_array(np.concatenate(scales), f"{name}_scales"))]
+    qnode = helper.make_node("GatherBlockQuantized", [protos[0].name, node.input[1], protos[1].name],
+                             list(node.output), name=(node.name or "embed") + f"_Q{bits}", domain="com.microsoft",
+                             gather_axis=0, quantize_axis=1, block_size=block_size, bits=bits)
+    return qnode, protos, (protos[0].name, protos[1].name, (V, D))
+
+
+def shared_head(node, table, bits: int, block_size: int, new_inits: list) -> list:
+    """A tied head's MatMul as MatMulNBits over the quantized embedding table itself: the packed [V, D*bits/8]
+    rows reshaped to MatMulNBits' [N, blocks, block bytes] (ORT folds the Reshape of a constant at load), so the
+    file holds the largest matrix of a small model once."""
+    from onnx import helper, numpy_helper
+    packed, scales, (V, D) = table
+    n_blocks = -(-D // block_size)
+    shape = numpy_helper.from_array(np.array([V, n_blocks, block_size * bits // 8], dtype=np.int64),
+                                    f"{packed}_as_matmul_shape")
+    new_inits.append(shape)
+    reshape = helper.make_node("Reshape", [packed, shape.name], [f"{packed}_as_matmul"], name=f"{packed}/Reshape")
+    qnode = helper.make_node("MatMulNBits", [node.input[0], reshape.output[0], scales], [node.output[0]],
+                             name=node.name + f"_Q{bits}", domain="com.microsoft", K=D, N=V, bits=bits,
+                             block_size=block_size, accuracy_level=4)
+    return [reshape, qnode]
 
 
 def tied_head(graph, inits) -> tuple[str, str] | None:

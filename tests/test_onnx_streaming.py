@@ -5,7 +5,8 @@ Asserted: the export of a directory is byte for byte the export of the same chec
 layout stored in bf16 (one in fp32 too), tied and untied heads; it still equals it when every large tensor is converted in
 small chunks; only the tensors of one weight are alive while it is written; a model whose weights go to external data
 runs in ONNX Runtime with PyTorch's logits and reads back; only the forms that hold the model in memory (--dtype
-fp16, --graph gqa, a GGUF source) are refused where it cannot fit, before anything is read.
+fp16, a GGUF source) are refused where it cannot fit, before anything is read; the hand-built --graph gqa streams too,
+and its file from a directory is byte for byte its file from the model in memory.
 """
 from __future__ import annotations
 
@@ -102,9 +103,27 @@ def test_only_the_in_memory_forms_are_refused_where_the_model_cannot_fit(tmp_pat
     d = _save(_model("elementwise", False, False), "qwen3_next", tmp_path / "ckpt", bf16=True)
     monkeypatch.setattr(onnx_export, "available_memory", lambda: 10 ** 6)
     monkeypatch.setattr(onnx_export, "load_checkpoint", lambda *a: pytest.fail("loaded the model"))
-    for kw, why in (({"dtype": "fp16"}, "--dtype fp16"), ({"graph": "gqa"}, "--graph gqa")):
-        with pytest.raises(QuantgateError, match=f"{why} holds the whole model in memory.*streams"):
-            onnx_export.export_checkpoint(d, tmp_path / "refused", **kw)
-        assert not (tmp_path / "refused").exists()
-    summary = onnx_export.export_checkpoint(d, tmp_path / "streamed")  # the fp32 standard graph never loads it
-    assert summary["bytes"] > 0 and (tmp_path / "streamed" / "model.onnx").is_file()
+    with pytest.raises(QuantgateError, match="--dtype fp16 holds the whole model in memory.*streams"):
+        onnx_export.export_checkpoint(d, tmp_path / "refused", dtype="fp16")
+    assert not (tmp_path / "refused").exists()
+    for graph in ("standard", "gqa"):  # the fp32 graphs never load it
+        summary = onnx_export.export_checkpoint(d, tmp_path / graph, graph=graph)
+        assert summary["bytes"] > 0 and (tmp_path / graph / "model.onnx").is_file()
+
+
+def test_the_gqa_graph_streamed_from_a_directory_is_the_one_built_from_the_model(tmp_path, monkeypatch):
+    """The hand-built graph reads each weight from the checkpoint when it writes it: the same bytes as from the
+    model in memory, also when the weights go to external data (limit lowered to 1 KiB)."""
+    import quantgate.export.onnx_gqa as onnx_gqa
+    m = _model("elementwise", False, False)
+    d = _save(m, "qwen3_next", tmp_path / "ckpt", bf16=True)
+    loaded = load_checkpoint(d).model
+    for limit in (onnx_gqa.INLINE_LIMIT, 1024):
+        monkeypatch.setattr(onnx_gqa, "INLINE_LIMIT", limit)
+        onnx_export.export_checkpoint(d, tmp_path / f"dir-{limit}", graph="gqa")
+        onnx_export.export_onnx(loaded, None, tmp_path / f"mem-{limit}", graph="gqa")
+        for f in ("model.onnx", EXTERNAL_DATA):
+            a, b = tmp_path / f"dir-{limit}" / f, tmp_path / f"mem-{limit}" / f
+            assert a.is_file() == b.is_file() == (f == "model.onnx" or limit == 1024)
+            if a.is_file():
+                assert a.read_bytes() == b.read_bytes(), (limit, f)

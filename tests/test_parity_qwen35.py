@@ -6,7 +6,8 @@ tied embeddings with as many value heads as key heads, and untied with twice as 
 Both directions: a stock random model saved by save_pretrained is read by our loader (logits within 1e-5 of the
 largest), and our hybrid twins saved by save_checkpoint are opened by stock transformers (the same bound, its own
 cache too). `quantgate eval`'s perplexity equals the one transformers' logits give under our convention. Our ONNX
-export of each stock checkpoint runs in ONNX Runtime with transformers' logits (prefill, decode, a chunk)."""
+export of each stock checkpoint runs in ONNX Runtime with transformers' logits (prefill, decode, a chunk), as does the
+--graph gqa form (ORT's fused ops, both GDN ops) of a third, wider one."""
 from __future__ import annotations
 
 import dataclasses
@@ -42,6 +43,10 @@ SHAPES = {  # Qwen3_5TextConfig fields (tiny), and our twin of each
                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                       tie_word_embeddings=False),
 }
+# for the --graph gqa export: GroupQueryAttention rotates 16+ channels (rotary_dim/2 a multiple of 8), so head_dim 64
+WIDE = dict(SHAPES["untied-r2"], head_dim=64)
+WIDE_ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [3, 3, 2],
+             "mrope_interleaved": True}
 COMMON = dict(rms_norm_eps=1e-6, max_position_embeddings=256, bos_token_id=0, eos_token_id=1, pad_token_id=2,
               rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                                "mrope_section": [1, 1, 0], "mrope_interleaved": True})
@@ -82,6 +87,8 @@ def ref(tmp_path_factory):
     tok = byte_tokenizer()
     np.save(d / "wins.npy", eval_windows(tokenize_corpus(load_corpus(str(text)).split("all"), tok).ids, 24, tok.bos_id, 3))
     jobs.append(["logits", str(d / "ours-untied-r2-gated"), str(d / "wins.npy"), str(d / "wins.npz")])
+    (d / "wide-text.json").write_text(json.dumps({**WIDE, **COMMON, "rope_parameters": WIDE_ROPE, "multimodal": False}))
+    jobs.append(["make", str(d / "wide-text.json"), str(d / "wide-text"), str(d / "ids.npy"), str(d / "wide-text.npz")])
     (d / "jobs.json").write_text(json.dumps(jobs))
     r = subprocess.run([TF5, str(SCRIPT), str(d / "jobs.json")], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -145,6 +152,31 @@ def onnx_exports(ref, tmp_path_factory):
     for shape in SHAPES:
         export_checkpoint(d / f"{shape}-text", out / shape)
     return out
+
+
+@pytest.mark.parametrize("op", ["linear_attention", "gated_delta_net"])
+def test_fused_onnx_export_of_a_stock_checkpoint_has_transformers_logits(ref, tmp_path, op):
+    """The --graph gqa form (ORT's fused GroupQueryAttention and Gated DeltaNet ops) of a stock checkpoint against
+    transformers 5: prefill, one token at a time on the cache (batch 2), and a chunk on the cache (batch 1, which
+    GroupQueryAttention needs for several new tokens after a cache)."""
+    from quantgate.export.onnx import export_checkpoint
+    from quantgate.runners import OrtRunner
+    d, _ = ref
+    logits = np.load(d / "wide-text.npz")
+    export_checkpoint(d / "wide-text", tmp_path / op, graph="gqa", gdn_op=op)
+    with OrtRunner(tmp_path / op) as r:
+        assert rel_err(r.logits(IDS), logits["full"]) <= 1e-5
+        steps, (lg, past) = [], r.step(IDS[:, :10], r._empty_past(2), 0)
+        steps.append(lg)
+        for t in range(10, IDS.shape[1]):
+            lg, past = r.step(IDS[:, t:t + 1], past, t)
+            steps.append(lg)
+        assert rel_err(np.concatenate(steps, axis=1), logits["cached"]) <= 1e-5
+        for row in range(2):
+            lg0, past = r.step(IDS[row:row + 1, :10], r._empty_past(1), 0)
+            lg1, past = r.step(IDS[row:row + 1, 10:17], past, 10)
+            lg2, _ = r.step(IDS[row:row + 1, 17:], past, 17)
+            assert rel_err(np.concatenate([lg0, lg1, lg2], axis=1), logits["full"][row:row + 1]) <= 1e-5
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))

@@ -79,6 +79,29 @@ def read_linear(model, module: str) -> np.ndarray:
     raise QuantgateError(f"the ONNX graph has no weight for {module} (not a quantgate export?)")
 
 
+def read_embedding(model) -> np.ndarray | None:
+    """The embedding table [V, D] as float32: the initializer itself (a tied traced graph names it
+    model.lm_head.weight), or dequantized from the GatherBlockQuantized that onnx_weight_only.quantize_embedding
+    writes (uint8 blocks along D, implicit zero point 2^(bits-1) unless given). None where the graph has neither."""
+    w = _first_init(model, "model.embed_tokens.weight", "model.lm_head.weight")
+    if w is not None:
+        return w.astype(np.float32)
+    for n in model.graph.node:
+        if n.op_type != "GatherBlockQuantized":
+            continue
+        attrs = {a.name: a.i for a in n.attribute}
+        bits, block = attrs.get("bits", 4), attrs["block_size"]
+        packed, scales = _init(model, n.input[0]), _init(model, n.input[2]).astype(np.float32)
+        q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(len(packed), -1) if bits == 4 else packed
+        zp = float(1 << (bits - 1))
+        if len(n.input) > 3 and n.input[3]:
+            zp = _init(model, n.input[3])
+            zp = (np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(len(zp), -1) if bits == 4 else zp)
+            zp = np.repeat(zp[:, :scales.shape[1]].astype(np.float32), block, axis=1)[:, :q.shape[1]]
+        return (q.astype(np.float32) - zp) * np.repeat(scales, block, axis=1)[:, :q.shape[1]]
+    return None
+
+
 def gate_rows(model, layer: int, n_q_rows: int) -> np.ndarray:
     """Gate rows of one layer: the fused q|gate projection's rows after the first n_q_rows."""
     return read_linear(model, f"model.layers.{layer}.self_attn.qg_proj")[n_q_rows:]
@@ -122,6 +145,8 @@ def load_onnx_model(path):
             w = qg[:q_rows] if name.endswith("q_proj.weight") else qg[q_rows:]
         elif LINEAR_WEIGHT.search(name):
             w = read_linear(graph, module)
+        elif name.endswith("linear_attn.A_log") and _init(graph, f"model.{name}") is not None:
+            w = _init(graph, f"model.{name}")  # the gqa form's GatedDeltaNet reads A_log itself
         elif name.endswith("linear_attn.A_log"):  # the exporter folds A_log into A = -exp(A_log) (export.onnx)
             a = _first_init(graph, f"model.{name[: -len('_log')]}")
             if a is None:
@@ -130,8 +155,12 @@ def load_onnx_model(path):
         elif name == "lm_head.weight":
             w = _first_init(graph, "model.lm_head.weight")
             w = read_linear(graph, "model.lm_head") if w is None else w
+        elif name == "embed_tokens.weight":
+            w = read_embedding(graph)
+            if w is None:
+                raise QuantgateError(f"{onnx_path}: no initializer for {name}")
         else:
-            w = _first_init(graph, f"model.{name}", *(["model.lm_head.weight"] if name == "embed_tokens.weight" else []))
+            w = _first_init(graph, f"model.{name}")
             if w is None:
                 raise QuantgateError(f"{onnx_path}: no initializer for {name}")
         w = torch.from_numpy(np.array(w, dtype=np.float32))

@@ -62,6 +62,9 @@ def layer_types_of(inputs: list[str]) -> list[str]:
 
 
 EXTERNAL_DATA = "model.onnx.data"
+ALIGN = 4096  # ORT memory-maps external data whose offset is page-aligned
+CHUNK = 64 << 20  # bytes copied at a time from one data file to another
+INLINE_BYTES = 1024  # tensors this small stay in model.onnx (onnx.save's size_threshold in save_onnx)
 INLINE_LIMIT = 1 << 30  # protobuf cannot serialize a message over 2 GiB: larger weights go to EXTERNAL_DATA
 
 
@@ -132,6 +135,14 @@ def check_meta(meta: dict, f: Path) -> dict:
     return meta
 
 
+LOGITS_TO_KEEP = "logits_to_keep"  # the --graph gqa form's last input: how many positions get logits
+
+
+def decoder_inputs(model) -> list:
+    """The graph's decoder inputs (ids, mask, positions, caches), without the gqa form's logits_to_keep."""
+    return [i for i in model.graph.input if i.name != LOGITS_TO_KEEP]
+
+
 def check_graph(path: Path):
     """Load the graph (without its weights) and check what ONNX Runtime and our runner rely on: the
     exporter's input/output names, dtypes and cache shapes, and every external-data file the weights name
@@ -140,7 +151,7 @@ def check_graph(path: Path):
         model = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf DecodeError and friends: any failure means a malformed file
         raise QuantgateError(f"{path}: corrupt or truncated ONNX file ({type(e).__name__})") from None
-    inputs = [i.name for i in model.graph.input]
+    inputs = [i.name for i in decoder_inputs(model)]
     outputs = [o.name for o in model.graph.output]
     types = layer_types_of(inputs)
     want_in, want_out = io_names(types)
@@ -157,7 +168,11 @@ INT64, FLOATS = 7, (1, 10)  # onnx.TensorProto element types: int64; float32, fl
 
 
 def _check_io_types(path: Path, model) -> None:
-    for v in list(model.graph.input) + list(model.graph.output):
+    for v in model.graph.input:
+        t = v.type.tensor_type
+        if v.name == LOGITS_TO_KEEP and (t.elem_type != INT64 or len(t.shape.dim) != 0):
+            raise QuantgateError(f"{path}: {LOGITS_TO_KEEP} must be an int64 scalar")
+    for v in list(decoder_inputs(model)) + list(model.graph.output):
         t = v.type.tensor_type
         want = (INT64,) if v.name in ("input_ids", "attention_mask", "position_ids") else FLOATS
         conv, rec = ".conv." in v.name, ".recurrent." in v.name
@@ -192,3 +207,79 @@ def _check_external_data(path: Path, model) -> None:
         if end > target.stat().st_size:
             raise QuantgateError(f"{path}: {loc} is truncated (weight {t.name} ends at byte {end}, "
                                  f"the file has {target.stat().st_size})")
+
+
+class DataWriter:
+    """Appends tensors to one external-data file and returns protos that point into it."""
+
+    def __init__(self, path: Path):
+        self.f, self.offset = open(path, "wb"), 0
+
+    def put(self, t, base: Path | None = None):
+        """A proto of `t` (read from `base`'s external data when it lives there): inline if tiny, else appended,
+        copied CHUNK bytes at a time from the source file."""
+        import onnx
+        out = header(t)
+        where = external(t)
+        if where is None or where[2] <= INLINE_BYTES:
+            raw = raw_bytes(t, base)
+            if len(raw) <= INLINE_BYTES:
+                out.raw_data = raw
+                return out
+            pieces, n = [raw], len(raw)
+        else:
+            pieces, n = chunks(base / where[0], where[1], where[2]), where[2]
+        pad = -self.offset % ALIGN
+        self.f.write(b"\0" * pad)
+        self.offset += pad
+        for piece in pieces:
+            self.f.write(piece)
+        out.data_location = onnx.TensorProto.EXTERNAL
+        for k, v in (("location", EXTERNAL_DATA), ("offset", str(self.offset)), ("length", str(n))):
+            e = out.external_data.add()
+            e.key, e.value = k, v
+        self.offset += n
+        return out
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def header(t):
+    """A copy of tensor proto `t` without its data."""
+    import onnx
+    h = onnx.TensorProto()
+    h.name, h.data_type = t.name, t.data_type
+    h.dims.extend(t.dims)
+    return h
+
+
+def external(t) -> tuple[str, int, int] | None:
+    """(file, offset, length) of a tensor stored in external data, else None."""
+    import onnx
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        return None
+    info = {e.key: e.value for e in t.external_data}
+    if "length" not in info:
+        return None
+    return info["location"], int(info.get("offset", 0)), int(info["length"])
+
+
+def chunks(path: Path, offset: int, length: int):
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while length > 0:
+            piece = f.read(min(CHUNK, length))
+            if not piece:
+                raise OSError(f"{path}: external data ends before {length} more bytes")
+            length -= len(piece)
+            yield piece
+
+
+def raw_bytes(t, base: Path | None) -> bytes:
+    """The bytes of tensor proto `t`, read from its external data file when it has one."""
+    from onnx import numpy_helper
+    where = external(t)
+    if where is not None:
+        return b"".join(chunks(base / where[0], where[1], where[2]))
+    return t.raw_data or numpy_helper.to_array(t, str(base or "")).tobytes()

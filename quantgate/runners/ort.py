@@ -15,7 +15,7 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import QuantgateError
-from ..formats.onnx_io import FULL, check_graph, past_name, read_meta, resolve_onnx
+from ..formats.onnx_io import FULL, LOGITS_TO_KEEP, check_graph, decoder_inputs, past_name, read_meta, resolve_onnx
 from ..sampling import Done, NonFiniteLogits, Sampler, Token, stream
 from .bench import bench
 from .device import cuda_index
@@ -45,7 +45,9 @@ class OrtRunner:
         # (conv [C, K-1], recurrent [Hv, dk, dv]) are fixed-size and start at zeros
         self._cache_specs = {i.name: ([d.dim_value for d in i.type.tensor_type.shape.dim][1:],
                                       np.float16 if i.type.tensor_type.elem_type == 10 else np.float32)
-                             for i in graph.graph.input[3:]}
+                             for i in decoder_inputs(graph)[3:]}
+        # the gqa form computes the last position's logits unless told how many to keep (export/onnx_gqa.py)
+        self.keeps_last = any(i.name == LOGITS_TO_KEEP for i in graph.graph.input)
         logits = graph.graph.output[0].type.tensor_type.shape.dim
         self.vocab_size = int(logits[2].dim_value) if logits[2].dim_value else read_meta(self.dir).get("vocab_size")
         load_from, tmp = str(self.path), None
@@ -85,8 +87,12 @@ class OrtRunner:
             past = {k: ort.OrtValue.ortvalue_from_numpy(z, "cuda", self.cuda) for k, z in past.items()}
         return past
 
-    def step(self, ids: np.ndarray, past: dict, start: int, bound: bool = False) -> tuple[np.ndarray, dict]:
+    def step(self, ids: np.ndarray, past: dict, start: int, bound: bool = False,
+             last_only: bool = False) -> tuple[np.ndarray, dict]:
         """Run ids [B, T] after `start` cached positions; returns (logits [B, T, V] fp32, next past).
+
+        last_only: the logits of the last position only ([B, 1, V]), where the graph can skip the others (the gqa
+        form's logits_to_keep); a graph that cannot returns all of them.
 
         bound: the next past stays in ONNX Runtime's own buffers (OrtValues bound with IOBinding) instead of coming
         back as numpy arrays, so a decode loop does not copy the whole cache through Python every step; the
@@ -94,6 +100,8 @@ class OrtRunner:
         B, T = ids.shape
         feed = {"input_ids": ids.astype(np.int64), "attention_mask": np.ones((B, start + T), dtype=np.int64),
                 "position_ids": np.broadcast_to(np.arange(start, start + T, dtype=np.int64), (B, T)).copy(), **past}
+        if self.keeps_last:
+            feed[LOGITS_TO_KEEP] = np.array(1 if last_only else T, dtype=np.int64)
         try:
             if self.cuda is not None or bound:
                 return self._step_bound(feed)
@@ -113,7 +121,7 @@ class OrtRunner:
             if isinstance(v, ort.OrtValue):
                 io.bind_ortvalue_input(k, v)
             else:
-                io.bind_cpu_input(k, np.ascontiguousarray(v))
+                io.bind_cpu_input(k, np.asarray(v, order="C"))  # ascontiguousarray would make a scalar 1-D
         io.bind_output("logits", "cpu")
         for n in self.out_names[1:]:
             if self.cuda is not None:
@@ -131,12 +139,12 @@ class OrtRunner:
 
     def prefill(self, ids: list[int]) -> np.ndarray:
         """An empty cache, then the prompt in one batch: the last position's logits (quantgate.sampling)."""
-        logits, self._past = self.step(np.asarray([ids]), self._empty_past(1), 0, bound=True)
+        logits, self._past = self.step(np.asarray([ids]), self._empty_past(1), 0, bound=True, last_only=True)
         self._pos = len(ids)
         return logits[0, -1]
 
     def decode(self, token: int) -> np.ndarray:
-        logits, self._past = self.step(np.asarray([[token]]), self._past, self._pos, bound=True)
+        logits, self._past = self.step(np.asarray([[token]]), self._past, self._pos, bound=True, last_only=True)
         self._pos += 1
         return logits[0, -1]
 
@@ -158,11 +166,11 @@ class OrtRunner:
         """Seconds to prefill `prefill_ids` in one batch from an empty cache, then decode `decode_ids` one at a
         time (the runners' bench protocol, quantgate.runners.bench)."""
         t0 = time.perf_counter()
-        _, past = self.step(np.asarray([prefill_ids]), self._empty_past(1), 0, bound=True)
+        _, past = self.step(np.asarray([prefill_ids]), self._empty_past(1), 0, bound=True, last_only=True)
         t1 = time.perf_counter()
         pos = len(prefill_ids)
         for t in decode_ids:
-            _, past = self.step(np.asarray([[t]]), past, pos, bound=True)
+            _, past = self.step(np.asarray([[t]]), past, pos, bound=True, last_only=True)
             pos += 1
         return t1 - t0, time.perf_counter() - t1
 
