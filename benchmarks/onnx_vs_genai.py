@@ -10,9 +10,11 @@ not depend on the values), in a fresh folder removed afterwards:
 3. quantgate: `export onnx --graph gqa` then `quantize --scheme int4` (the same quantizer settings), each in a child
    process: seconds and peak RSS (the larger of the two);
 4. decode and prefill tok/s of both graphs in one onnxruntime (2 threads), driven by the same loop (batch 1, caches
-   bound with IOBinding, logits of the last position only where the graph allows), rounds alternating the two
-   graphs with the order rotated, each round a 128-token prefill from empty caches then 64 decode steps; and
-   onnxruntime-genai's own runtime (og.Generator) on its graph, as its users run it, in the same rounds;
+   bound with IOBinding, logits of the last position only where the graph allows); and each project's own
+   runtime on its graph, as its users run it: quantgate's OrtRunner (`generate`'s loop, its SharedCache) and
+   onnxruntime-genai's og.Generator. Rounds alternate the four with the order rotated, each round a 128-token
+   prefill from empty caches then 64 decode steps; ratios are taken within a round (graph against graph in
+   the one loop, runtime against runtime);
 5. KLD of each graph's logits from quantgate's float PyTorch model of the checkpoint (transformers' logits to 1e-5,
    tests/test_parity_qwen35.py), on 4 windows of 128 random token ids (random weights: no text is more natural),
    with a bootstrap interval over positions;
@@ -239,7 +241,9 @@ def run_shape(name: str, work: Path, args) -> dict:
     ratio = per_pos["quantgate"] - per_pos["genai"]
     klds["quantgate_minus_genai"] = {"mean": float(ratio.mean()), "ci95": interval(ratio)}
 
-    timers = {**graphs, "genai-runtime": GenaiRuntime(work / "genai", args.threads)}
+    from quantgate.runners import OrtRunner
+    timers = {**graphs, "quantgate-runner": OrtRunner(work / "qg", threads=args.threads),
+              "genai-runtime": GenaiRuntime(work / "genai", args.threads)}
     prompt, decode = [0] + [int(t) for t in rng.integers(3, 30000, 127)], [int(t) for t in rng.integers(3, 30000, 64)]
     for t in timers.values():  # warm-up
         t.time_round(prompt[:16], decode[:4])
@@ -252,12 +256,10 @@ def run_shape(name: str, work: Path, args) -> dict:
     speed = {n: {m: float(np.median([r[m] for r in v])) for m in ("prefill_tok_s", "decode_tok_s")}
              for n, v in rounds.items()}
     ratios = {}
-    for other in ("genai", "genai-runtime"):
-        ratios[f"quantgate/{other}"] = {
-            m: {"median": float(np.median([a[m] / b[m] for a, b in zip(rounds["quantgate"], rounds[other])])),
-                "range": [float(min(a[m] / b[m] for a, b in zip(rounds["quantgate"], rounds[other]))),
-                          float(max(a[m] / b[m] for a, b in zip(rounds["quantgate"], rounds[other])))]}
-            for m in ("prefill_tok_s", "decode_tok_s")}
+    for ours, other in (("quantgate", "genai"), ("quantgate-runner", "genai-runtime")):
+        per = {m: [a[m] / b[m] for a, b in zip(rounds[ours], rounds[other])] for m in ("prefill_tok_s", "decode_tok_s")}
+        ratios[f"{ours}/{other}"] = {m: {"median": float(np.median(v)), "range": [float(min(v)), float(max(v))]}
+                                     for m, v in per.items()}
     ops = {}
     import onnx
     for k in ("quantgate", "genai"):

@@ -125,23 +125,33 @@ def build_gqa_graph(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], path:
     if cfg.full_attention_layers:
         seqlens_k, total = _seqlens(b)
         cos, sin = _rope_caches(b, cfg)
+    def add_norm(h: str, o: str, param: str, scope: str) -> tuple[str, str]:
+        """(RMSNorm(h + o), h + o) in one node: ORT's SkipSimplifiedLayerNormalization, the residual add fused
+        with the next norm (two fewer kernel launches per layer, as onnxruntime-genai's graphs have it)."""
+        outs = b.node("SkipSimplifiedLayerNormalization", [h, o, b.init(f"model.{param}", weight(param))],
+                      f"{scope}/SkipRMSNorm", n_out=4, domain="com.microsoft", epsilon=cfg.norm_eps)
+        b.nodes[-1].output[1:3] = ["", ""]  # mean and inverse std: not needed
+        return outs[0], outs[3]
+
+    x = rmsnorm(h, "layers.0.input_layernorm.weight", "model.layers.0/input_norm")
     layers = range(cfg.n_layers)
     for i in track(layers, f"writing {path.name}", total=cfg.n_layers, memory=True):
         p, m = f"layers.{i}", f"model.layers.{i}"
-        x = rmsnorm(h, f"{p}.input_layernorm.weight", f"{m}/input_norm")
         past, present = names_in[3 + 2 * i: 5 + 2 * i], names_out[1 + 2 * i: 3 + 2 * i]
         if cfg.layer_type(i) == "linear_attention":
             o = _gated_delta_net(b, cfg, i, x, past, present, gdn_op, weight, linear)
         else:
             o = _attention(b, cfg, i, x, past, present, (seqlens_k, total, cos, sin), bs_heads, bs_flat,
                            linear, rmsnorm)
-        h = b.node("Add", [h, o], f"{m}/residual_attn")[0]
-        x = rmsnorm(h, f"{p}.post_attention_layernorm.weight", f"{m}/post_norm")
+        x, h = add_norm(h, o, f"{p}.post_attention_layernorm.weight", f"{m}/post_norm")
         gate = linear(x, f"{m}.mlp.gate_proj", f"{p}.mlp.gate_proj.weight")
         up = linear(x, f"{m}.mlp.up_proj", f"{p}.mlp.up_proj.weight")
         silu = b.node("Mul", [gate, b.node("Sigmoid", [gate], f"{m}/mlp_sigmoid")[0]], f"{m}/mlp_silu")[0]
         down = linear(b.node("Mul", [silu, up], f"{m}/mlp_mul")[0], f"{m}.mlp.down_proj", f"{p}.mlp.down_proj.weight")
-        h = b.node("Add", [h, down], f"{m}/residual_mlp")[0]
+        if i + 1 < cfg.n_layers:  # the next layer's input norm
+            x, h = add_norm(h, down, f"layers.{i + 1}.input_layernorm.weight", f"model.layers.{i + 1}/input_norm")
+        else:  # the last: sliced to logits_to_keep before the final norm
+            h = b.node("Add", [h, down], f"{m}/residual_mlp")[0]
     # the last logits_to_keep positions only (default 1: what a prefill needs), before the norm and the head
     start = b.node("Neg", [b.node("Unsqueeze", [LOGITS_TO_KEEP, const("axis0", [0])], "keep/unsqueeze")[0]],
                    "keep/neg")[0]
@@ -250,30 +260,32 @@ def _gated_delta_net(b: _Builder, cfg: ModelConfig, i: int, x: str, past, presen
                   activation="silu", ndim=1)
     b.nodes[-1].output[1] = present[0]
     mixed = b.node("Transpose", [conv[0]], f"{m}/to_tokens", perm=[0, 2, 1])[0]          # [B, T, C]
-    q, k, v = b.node("Split", [mixed, b.init(f"{m}/split_sizes", np.array([Hk * dk, Hk * dk, Hv * dv], np.int64))],
-                     f"{m}/split_qkv", n_out=3, axis=-1)
+    qk, v = b.node("Split", [mixed, b.init(f"{m}/split_sizes", np.array([2 * Hk * dk, Hv * dv], np.int64))],
+                   f"{m}/split_qk_v", n_out=2, axis=-1)
     a = linear(x, f"{m}.in_proj_a", f"{p}.in_proj_a.weight")
     beta = linear(x, f"{m}.in_proj_b", f"{p}.in_proj_b.weight")
     dt_bias = b.init(f"{m}.dt_bias", weight(f"{p}.dt_bias"))
-    shape_k = b.init(f"{m}/shape_k", np.array([0, 0, Hk, dk], np.int64))
     flat = b.init(f"{m}/shape_flat", np.array([0, 0, -1], np.int64))
     # L2 norm per head here (eps inside the root), not GatedDeltaNet's qk_l2_norm: with it the logits were 1.2e-5
-    # of the largest from PyTorch's, 3e-6 without (tiny hybrid, ORT 1.32)
-    q, k = (_l2norm(b, t, shape_k, flat, f"{m}/{n}_l2", dk ** -0.5 if n == "q" else 1.0) for n, t in (("q", q), ("k", k)))
+    # of the largest from PyTorch's, 3e-6 without (tiny hybrid, ORT 1.32). q's dk^-0.5 is the op's `scale`.
+    qk = _l2norm_heads(b, qk, 2 * Hk, dk, f"{m}/qk_l2")  # [B, T, 2 Hk, dk]
     if gdn_op == "gated_delta_net":
-        q4, k4 = (b.node("Reshape", [t, shape_k], f"{m}/{n}_heads")[0] for n, t in (("q", q), ("k", k)))
+        q4, k4 = b.node("Split", [qk], f"{m}/split_qk", n_out=2, axis=2, num_outputs=2)
         v4 = b.node("Reshape", [v, b.init(f"{m}/shape_v", np.array([0, 0, Hv, dv], np.int64))], f"{m}/v_heads")[0]
         o, _ = b.node("GatedDeltaNet", [q4, k4, v4, "", a, beta, past[1], b.init(f"{m}.A_log", weight(f"{p}.A_log")),
                                         dt_bias], f"{m}/GatedDeltaNet", n_out=2, domain="com.microsoft",
-                      gate_activation="softplus", beta_activation="sigmoid", qk_l2_norm=0, scale=1.0,
+                      gate_activation="softplus", beta_activation="sigmoid", qk_l2_norm=0, scale=dk ** -0.5,
                       update_rule="gated_delta")
         b.nodes[-1].output[1] = present[1]
         o = b.node("Reshape", [o, flat], f"{m}/o_flat")[0]
     else:
+        q, k = b.node("Split", [b.node("Reshape", [qk, flat], f"{m}/qk_flat")[0]], f"{m}/split_qk", n_out=2, axis=-1,
+                      num_outputs=2)
         decay, beta = b.node("LinearAttentionGate", [a, dt_bias, b.init(f"{m}.A", -np.exp(weight(f"{p}.A_log"))), beta],
                              f"{m}/LinearAttentionGate", n_out=2, domain="com.microsoft")
         o, _ = b.node("LinearAttention", [q, k, v, past[1], decay, beta], f"{m}/LinearAttention", n_out=2,
-                      domain="com.microsoft", q_num_heads=Hk, kv_num_heads=Hv, update_rule="gated_delta", scale=1.0)
+                      domain="com.microsoft", q_num_heads=Hk, kv_num_heads=Hv, update_rule="gated_delta",
+                      scale=dk ** -0.5)
         b.nodes[-1].output[1] = present[1]
     z = linear(x, f"{m}.in_proj_z", f"{p}.in_proj_z.weight")
     y = b.node("GatedRMSNorm", [o, b.init(f"{m}.norm.weight", weight(f"{p}.norm.weight")), z], f"{m}/GatedRMSNorm",
@@ -281,12 +293,10 @@ def _gated_delta_net(b: _Builder, cfg: ModelConfig, i: int, x: str, past, presen
     return linear(y, f"{m}.out_proj", f"{p}.out_proj.weight")
 
 
-def _l2norm(b: _Builder, t: str, shape_heads: str, flat: str, scope: str, scale: float) -> str:
-    """scale * t / sqrt(sum(t^2) + eps) per head, on [B, T, H * d] (model.l2norm)."""
-    x = b.node("Reshape", [t, shape_heads], f"{scope}/heads")[0]
-    ss = b.node("ReduceSumSquare", [x, b.init(f"{scope}/axis", np.array([-1], np.int64))], f"{scope}/sumsq",
-                keepdims=1)[0]
-    root = b.node("Sqrt", [b.node("Add", [ss, b.init(f"{scope}/eps", np.array(L2_EPS, np.float32))], f"{scope}/eps")[0]],
-                  f"{scope}/sqrt")[0]
-    factor = b.node("Div", [b.init(f"{scope}/scale", np.array(scale, np.float32)), root], f"{scope}/factor")[0]
-    return b.node("Reshape", [b.node("Mul", [x, factor], f"{scope}/mul")[0], flat], f"{scope}/flat")[0]
+def _l2norm_heads(b: _Builder, t: str, heads: int, d: int, scope: str) -> str:
+    """t / sqrt(sum(t^2) + eps) per head, [B, T, heads * d] -> [B, T, heads, d] (model.l2norm): one
+    RMSNormalization, since x / sqrt(sum x^2 + eps) = RMSNorm(x, eps / d) / sqrt(d), so its weight is 1 / sqrt(d)
+    (3 nodes a layer where ReduceSumSquare, Add, Sqrt, Div and Mul took 7 for each of q and k)."""
+    x = b.node("Reshape", [t, b.init(f"{scope}/shape", np.array([0, 0, heads, d], np.int64))], f"{scope}/heads")[0]
+    return b.node("RMSNormalization", [x, b.init(f"{scope}/weight", np.full(d, d ** -0.5, np.float32))],
+                  f"{scope}/RMSNorm", axis=-1, epsilon=L2_EPS / d)[0]

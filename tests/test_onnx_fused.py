@@ -5,7 +5,8 @@ DeltaNet layers), written node by node and streamed (export/onnx_gqa.py).
 Asserted: prefill, decode and a chunk on a cache equal PyTorch's logits for both GDN ops; the logits of the last
 position only unless logits_to_keep asks for more; the weights read back; int4 and int8-weight quantize the
 embedding table (GatherBlockQuantized) and a tied head reads that one table; `generate` streams PyTorch's tokens;
-options the graph cannot honour are refused in one line."""
+generation through the in-place SharedCache (growing past its capacity) gives the same logits, bit for bit, as
+fresh cache outputs every step; options the graph cannot honour are refused in one line."""
 from __future__ import annotations
 
 import json
@@ -24,6 +25,7 @@ from quantgate.formats.onnx_io import onnx_bytes
 from quantgate.metrics import position_kld
 from quantgate.model import build_model, hybrid, preset
 from quantgate.runners import OrtRunner
+from quantgate.runners.ort import SharedCache
 from quantgate.tokenizer import byte_tokenizer
 
 IDS = np.random.default_rng(0).integers(3, 300, size=(2, 24)).astype(np.int64)
@@ -141,6 +143,31 @@ def test_generate_streams_pytorchs_tokens_from_the_fused_graph(exports):
     t = run_cli("generate", str(d / "ckpt"), "--prompt", "def f", "--max-tokens", "10")
     assert g.returncode == 0 and t.returncode == 0, g.stderr[-2000:]
     assert g.stdout == t.stdout
+
+
+@pytest.mark.parametrize("op", ["linear_attention", "gated_delta_net", "gqa-baseline"])
+def test_the_shared_in_place_cache_gives_the_logits_of_fresh_outputs_bit_for_bit(exports, tmp_path, monkeypatch, op):
+    """The KV buffers are GroupQueryAttention's past and present at once, the GDN states are updated in place, and
+    the capacity (8 here) doubles twice on the way: a kernel that read what it had already written, or a growth
+    that lost cached positions, would change the logits."""
+    d, _ = exports
+    if op == "gqa-baseline":  # a plain decoder (no GDN layer) takes the same path
+        m = build_model(preset("tiny", vocab_size=300, n_layers=2, head_dim=64), seed=1).eval()
+        save_checkpoint(m, tmp_path / "ckpt", byte_tokenizer())
+        export_checkpoint(tmp_path / "ckpt", tmp_path / op, graph="gqa")
+        path = tmp_path / op
+    else:
+        path = d / op
+    monkeypatch.setattr(SharedCache, "ROUND", 8)
+    prompt, steps = [int(t) for t in IDS[0, :5]], [int(t) for t in IDS[1, :20]]
+    with OrtRunner(path) as r:
+        assert r.shares_cache
+        got = [r.prefill(prompt)] + [r.decode(t) for t in steps]
+        assert isinstance(r._past, SharedCache) and r._past.capacity == 32  # 8 -> 16 -> 32
+        r.shares_cache = False
+        want = [r.prefill(prompt)] + [r.decode(t) for t in steps]
+        assert isinstance(r._past, dict)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
 
 
 def test_options_the_fused_graph_cannot_honour_are_refused(exports, tmp_path):

@@ -79,6 +79,10 @@ class OrtRunner:
         self.device = device
         self.name = name or f"onnxruntime:{self.dir.name}" + (f" (KV int{kv_bits})" if kv_bits else "")
         self.out_names = [o.name for o in self.session.get_outputs()]
+        # the gqa form on the CPU with the cache as exported generates through one SharedCache (no allocation per step)
+        self.shares_cache = self.keeps_last and self.cuda is None and kv_bits is None
+        self._present_of = {past_name(n): n for n in self.out_names[1:]}
+        self._logits_dtype = np.float16 if self.session.get_outputs()[0].type == "tensor(float16)" else np.float32
 
     def _empty_past(self, batch: int) -> dict:
         past = {name: np.zeros((batch, *shape), dtype=dtype) for name, (shape, dtype) in self._cache_specs.items()}
@@ -98,11 +102,15 @@ class OrtRunner:
         back as numpy arrays, so a decode loop does not copy the whole cache through Python every step; the
         generation and timing loops use it, calibration (which needs arrays) does not. CUDA always binds."""
         B, T = ids.shape
+        shared = isinstance(past, SharedCache)
         feed = {"input_ids": ids.astype(np.int64), "attention_mask": np.ones((B, start + T), dtype=np.int64),
-                "position_ids": np.broadcast_to(np.arange(start, start + T, dtype=np.int64), (B, T)).copy(), **past}
-        if self.keeps_last:
-            feed[LOGITS_TO_KEEP] = np.array(1 if last_only else T, dtype=np.int64)
+                "position_ids": np.broadcast_to(np.arange(start, start + T, dtype=np.int64), (B, T)).copy(),
+                **({} if shared else past)}
+        if self.keeps_last:  # a SharedCache holds one row of logits: the last position's
+            feed[LOGITS_TO_KEEP] = np.array(1 if last_only or shared else T, dtype=np.int64)
         try:
+            if shared:
+                return past.run(self.session, feed, start + T), past
             if self.cuda is not None or bound:
                 return self._step_bound(feed)
             outs = self.session.run(None, feed)
@@ -133,13 +141,21 @@ class OrtRunner:
         present = {past_name(n): v for n, v in zip(self.out_names[1:], outs[1:])}
         return outs[0].numpy().astype(np.float32, copy=False), present
 
+    def _generation_past(self, length: int):
+        """An empty batch-1 cache for a generation of about `length` tokens: a SharedCache where the graph allows
+        it (it grows past `length` when asked), else the plain one."""
+        if self.shares_cache:
+            return SharedCache(self._cache_specs, self._present_of, (self.vocab_size, self._logits_dtype), length)
+        return self._empty_past(1)
+
     def logits(self, windows: np.ndarray) -> np.ndarray:
         lg, _ = self.step(np.asarray(windows), self._empty_past(len(windows)), 0)
         return lg
 
     def prefill(self, ids: list[int]) -> np.ndarray:
         """An empty cache, then the prompt in one batch: the last position's logits (quantgate.sampling)."""
-        logits, self._past = self.step(np.asarray([ids]), self._empty_past(1), 0, bound=True, last_only=True)
+        logits, self._past = self.step(np.asarray([ids]), self._generation_past(len(ids)), 0, bound=True,
+                                       last_only=True)
         self._pos = len(ids)
         return logits[0, -1]
 
@@ -166,7 +182,8 @@ class OrtRunner:
         """Seconds to prefill `prefill_ids` in one batch from an empty cache, then decode `decode_ids` one at a
         time (the runners' bench protocol, quantgate.runners.bench)."""
         t0 = time.perf_counter()
-        _, past = self.step(np.asarray([prefill_ids]), self._empty_past(1), 0, bound=True, last_only=True)
+        _, past = self.step(np.asarray([prefill_ids]), self._generation_past(len(prefill_ids) + len(decode_ids)), 0,
+                            bound=True, last_only=True)
         t1 = time.perf_counter()
         pos = len(prefill_ids)
         for t in decode_ids:
@@ -186,3 +203,68 @@ class OrtRunner:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class SharedCache:
+    """The batch-1 generation cache of a gqa-form graph (export/onnx_gqa.py), bound with IOBinding so that a
+    decode step allocates nothing, as onnxruntime-genai's runtime does:
+
+    - each KV cache is one buffer [1, KV, capacity, head_dim], bound as GroupQueryAttention's past *and* present
+      (its shared-buffer mode: the op writes the new keys after seqlens_k and reads only that many), doubled
+      and copied when a step would pass its capacity;
+    - each Gated DeltaNet state (conv, recurrent; fixed size) is one buffer, bound as past and present too
+      (CausalConvWithState, LinearAttention and GatedDeltaNet update it in place; tests/test_onnx_fused.py
+      checks the logits equal those of fresh outputs bit for bit, which a kernel reading what it already wrote
+      would break); at 0.8B's shape this took 1.3 ms a decode step off two buffers used in turn;
+    - the logits row is one more buffer ([1, 1, V]: the graph keeps the last position only).
+
+    One IOBinding serves every step. The OrtValues view numpy arrays held here (ONNX Runtime does not copy a CPU
+    array it is given)."""
+
+    ROUND = 256  # capacities are multiples of this
+
+    def __init__(self, specs: dict, present_of: dict, logits: tuple[int, type], length: int):
+        self.present_of = present_of
+        cap = self._round(length)
+        self.kv = {n: self._buffer((1, shape[0], cap, shape[2]), dt) for n, (shape, dt) in specs.items()
+                   if n.startswith("past_key_values.")}
+        self.states = {n: self._buffer((1, *shape), dt) for n, (shape, dt) in specs.items()
+                       if not n.startswith("past_key_values.")}
+        self.logits = self._buffer((1, 1, logits[0]), logits[1])
+        self.capacity, self.io = cap, None
+
+    @classmethod
+    def _round(cls, n: int) -> int:
+        return max(cls.ROUND, -(-n // cls.ROUND) * cls.ROUND)
+
+    @staticmethod
+    def _buffer(shape, dtype):
+        import onnxruntime as ort
+        a = np.zeros(shape, dtype=dtype)
+        return a, ort.OrtValue.ortvalue_from_numpy(a)
+
+    def _grow(self, total: int, cached: int) -> None:
+        cap = self._round(max(total, 2 * self.capacity))
+        for n, (a, _) in self.kv.items():
+            new = self._buffer((*a.shape[:2], cap, a.shape[3]), a.dtype)
+            new[0][:, :, :cached] = a[:, :, :cached]
+            self.kv[n] = new
+        self.capacity = cap
+
+    def run(self, session, feed: dict, total: int) -> np.ndarray:
+        """One step: bind (the caches in place), run; returns a copy of the logits row [1, 1, V] in fp32."""
+        if total > self.capacity:
+            self._grow(total, total - feed["input_ids"].shape[1])
+        if self.io is None:
+            self.io = session.io_binding()
+        io = self.io
+        io.clear_binding_inputs()
+        io.clear_binding_outputs()
+        for k, v in feed.items():
+            io.bind_cpu_input(k, np.asarray(v, order="C"))
+        for n, (_, v) in (*self.kv.items(), *self.states.items()):
+            io.bind_ortvalue_input(n, v)
+            io.bind_ortvalue_output(self.present_of[n], v)
+        io.bind_ortvalue_output("logits", self.logits[1])
+        session.run_with_iobinding(io)
+        return self.logits[0].astype(np.float32)  # a copy: the buffer is the next step's
