@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from quantgate.errors import QuantgateError
 from quantgate.formats.onnx_io import EXTERNAL_DATA, INLINE_LIMIT, LOGITS_TO_KEEP, DataWriter, io_names, save_onnx
 from quantgate.model import ModelConfig
 from quantgate.progress import track
@@ -57,7 +58,6 @@ GDN_OP_NEEDS = {"linear_attention": (1, 31), "gated_delta_net": (1, 32)}  # the 
 def check_gdn_op(gdn_op: str) -> None:
     """The op is known and the installed onnxruntime runs it on the CPU (QWEN35.md section 4.2)."""
     import onnxruntime as ort
-    from quantgate.errors import QuantgateError
     if gdn_op not in GDN_OPS:
         raise QuantgateError(f"unknown --gdn-op {gdn_op!r}; choose from {', '.join(GDN_OPS)}")
     need = GDN_OP_NEEDS[gdn_op]

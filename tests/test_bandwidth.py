@@ -64,17 +64,22 @@ def test_onnx_int4_quantizes_the_tied_logits_matrix_and_leaves_the_export_alone(
     assert (d / "fp32" / "model.onnx").read_bytes() == before  # the input export is not changed
     fp32, int4 = onnx_decode_bytes(d / "fp32"), onnx_decode_bytes(d / "int4")
     V, D = m.cfg.vocab_size, m.cfg.dim
-    # fp32: the tied table is read whole by the logits MatMul (through its Transpose); int4: the Gather's float
-    # table is a lookup (left out) and the lm_head's int4 copy is about an eighth of it, plus scales
+    # fp32: the tied table is read whole by the logits MatMul (through its Transpose); int4: the embedding is one
+    # packed int4 table (GatherBlockQuantized) that the logits MatMulNBits reads too, about an eighth of it
     assert fp32.weights > V * D * 4 and int4.weights < fp32.weights / 4
-    # the dequantized model read back from the int4 file is untied, and its logits are close to the float model's
+    assert sum(n.op_type == "GatherBlockQuantized" for n in g.graph.node) == 1
+    # the dequantized model read back from the int4 file is tied again (one table); its logits are ONNX Runtime's on
+    # that file (far closer than the float model's)
     loaded = load_checkpoint(d / "int4").model
-    assert not loaded.cfg.tie_embeddings
+    assert loaded.cfg.tie_embeddings and loaded.lm_head.weight is loaded.embed_tokens.weight
     import torch
-    w = torch.as_tensor(np.random.default_rng(0).integers(3, 259, (2, 24)))
+    w = np.random.default_rng(0).integers(3, 259, (2, 24))
     with torch.no_grad():
-        a, b = m(w).logits, loaded(w).logits
-    assert 0 < float((a - b).abs().max()) < 0.5 * float(a.abs().max())
+        a, b = m(torch.as_tensor(w)).logits.numpy(), loaded(torch.as_tensor(w)).logits.numpy()
+    with OrtRunner(d / "int4", threads=1) as r:
+        ort = r.logits(w)
+    # (MatMulNBits at accuracy level 4 rounds its activations to int8 too: close, not equal)
+    assert np.abs(b - ort).max() < 0.2 * np.abs(a - ort).max()
 
 
 def test_bound_cache_decodes_exactly_as_arrays_do(tied):
