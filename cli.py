@@ -270,7 +270,7 @@ def train(out, resume, compile_, seeds, **kw):
 @click.option("--split", type=click.Choice(["auto", "all", "train", "valid", "test"]), default="auto",
               show_default=True, help="auto: test split of the embedded corpus, whole text otherwise")
 @click.option("--max-windows", type=COUNT, default=None,
-              help="evaluate N windows spread evenly over the text (default: every window)")
+              help="evaluate N windows spread evenly over the text (default: every window; with --reference, 64)")
 @click.option("--reference", type=MODEL, default=None,
               help="float model to compare against: adds KL divergence, top-1 agreement and the perplexity delta")
 @click.option("--torchao", type=click.Choice(["int8-dynamic", "int4-weight"]), default=None,

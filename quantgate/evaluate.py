@@ -7,12 +7,9 @@ same code, so their numbers compare with PyTorch's and with transformers'.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
-import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -24,10 +21,9 @@ from .formats.hf import open_hf
 from .layerwise import LayerwiseRunner, iter_logits, needs_layerwise
 from .formats.onnx import check_finite_initializers, onnx_context
 from .formats.onnx_io import onnx_bytes, read_meta, resolve_onnx
-from .fsio import atomic_path
-from .identity import code_id, content_id, key
-from .metrics import kld_summary, layer_sqnr, position_kld, token_nll, top1_match
-from .progress import track
+from .metrics import kld_summary, layer_sqnr, token_nll, window_scores
+from .progress import console, track
+from .reference import REFERENCE_WINDOWS, reference_logits
 from .stats import cell_intervals
 from .runners import LlamaRunner, OrtRunner, Runner, TorchRunner
 from .runners.kv import ROUNDED_KV_TYPES, kv_bits_for
@@ -66,54 +62,6 @@ def perplexity(runner: Runner, windows: np.ndarray, batch: int = 4) -> Perplexit
 
 
 SQNR_WINDOWS = 4  # windows used for the per-layer SQNR of a quantized model
-
-
-def cache_dir() -> Path:
-    """Where reference logits are kept: $QUANTGATE_CACHE, else $XDG_CACHE_HOME/quantgate, else ~/.cache/quantgate."""
-    env = os.environ.get("QUANTGATE_CACHE")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quantgate"
-
-
-def reference_logits(ref_path: str, windows: np.ndarray, data_key: str, batch: int = 4) -> np.ndarray:
-    """fp32 PyTorch logits of the reference on these windows, computed once and cached on disk under a key of
-    the reference's contents, the windows' tokens and the code (quantgate.identity); returned memory-mapped.
-
-    They go to the file a batch at a time (llama.cpp's --kl-divergence-base idea): at Qwen3.5's vocabulary of
-    248,320, 32 windows of 256 are 8 GB of logits, which are never held in memory at once."""
-    k = key("ref-logits", content_id(ref_path), code_id(), data_key, list(windows.shape),
-            hashlib.sha256(windows.tobytes()).hexdigest())
-    path = cache_dir() / f"ref-logits-{k}.npy"
-    if path.is_file():
-        with contextlib.suppress(ValueError, OSError):  # a torn or foreign cache file is recomputed
-            cached = np.load(path, mmap_mode="r")
-            if cached.shape[:2] == windows.shape:
-                return cached
-    runner = torch_runner(ref_path, name="reference")
-    with atomic_path(path) as tmp:
-        out = None
-        for i, lg in track(iter_logits(runner, windows, batch), "reference logits", total=-(-len(windows) // batch)):
-            check_finite(lg, f"the reference {ref_path}")
-            if out is None:
-                out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32,
-                                                shape=(len(windows), *lg.shape[1:]))
-            out[i:i + len(lg)] = lg
-        if out is None:
-            raise QuantgateError("no evaluation windows: nothing to compute reference logits on")
-        out.flush()
-        del out
-    return np.load(path, mmap_mode="r")
-
-
-def torch_runner(path: str, name: str = "torch", layerwise: bool | None = None):
-    """The fp32 PyTorch runner of any artifact; a model directory whose fp32 weights do not fit in memory (or any,
-    with `layerwise=True`) runs block by block (quantgate.layerwise), never whole."""
-    if artifact_kind(path) == "hf" and layerwise is not False:
-        ckpt = open_hf(path, must_fit_block_by_block=True)
-        if layerwise or needs_layerwise(ckpt.cfg):
-            return LayerwiseRunner(ckpt, name=f"{name} (layer by layer)")
-    return TorchRunner(load_checkpoint(path).model, name=name)
 
 
 def check_finite(logits: np.ndarray, who: str) -> None:
@@ -208,6 +156,7 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
     runner, tok, backend, extra = open_model(model_path, device, torchao, kv_type, ctx, threads, layerwise)
     try:
         stream = tokenize_corpus(corpus, tok)
+        max_windows = reference_window_count(reference, max_windows, len(stream.ids), ctx)
         windows = eval_windows(stream.ids, ctx, tok.bos_id, max_windows)
         out = {"model": str(model_path), "backend": backend, "device": device, "data": str(data), "split": split,
                "corpus_fingerprint": corpus.fingerprint}
@@ -242,6 +191,19 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
     return result
 
 
+def reference_window_count(reference: str | None, max_windows: int | None, n_tokens: int, ctx: int) -> int | None:
+    """With a reference and no --max-windows: REFERENCE_WINDOWS windows spread evenly over the text (the report's
+    count; every window of a long text costs the reference's pass and its stored states), said in one line."""
+    if reference is None or max_windows is not None:
+        return max_windows
+    n = n_tokens // max(ctx - 1, 1)
+    if n > REFERENCE_WINDOWS:
+        console.print(f"eval: {REFERENCE_WINDOWS} of the text's {n:,} windows, spread evenly (the report's count); "
+                      f"--max-windows {n} scores every one", markup=False, highlight=False)
+        return REFERENCE_WINDOWS
+    return None
+
+
 def reference_header(reference: str):
     """(config, tokenizer) of the reference: from the headers of a model directory (nothing loaded), else loaded."""
     if artifact_kind(reference) == "hf":
@@ -251,21 +213,30 @@ def reference_header(reference: str):
     return ref.model.cfg, ref.tokenizer
 
 
+LOGITS_BATCH_BYTES = 512 << 20  # a batch of the compared runner's logits stays under this (at least one window)
+
+
+def batch_for_vocab(batch: int, ctx: int, vocab: int) -> int:
+    """Windows per batch so that one batch's fp32 logits stay under LOGITS_BATCH_BYTES (one window at least): at
+    Qwen3.5's vocabulary a window of 256 is 254 MB, and the runner's logits are held while the window is scored."""
+    return max(1, min(batch, LOGITS_BATCH_BYTES // (ctx * vocab * 4)))
+
+
 def compare_to_reference(runner: Runner, ref_logits: np.ndarray, windows: np.ndarray, batch: int = 4,
                          docs: np.ndarray | None = None) -> dict:
     """Perplexity of `runner` and of the reference logits on the same windows, with per-position KL
     divergence KL(P_ref || P_runner) (mean, p99, max) and top-1 agreement. `docs`: the document each window comes
     from, which the intervals resample (quantgate.stats); without it, windows are resampled one by one."""
     nll, ref_nll, kld, top1 = [], [], [], []
+    batch = batch_for_vocab(batch, windows.shape[1], ref_logits.shape[-1])
     for i, lg in track(iter_logits(runner, windows, batch), f"eval {runner.name} vs reference",
                        total=-(-len(windows) // batch)):
-        w = windows[i:i + batch]
-        rl = np.asarray(ref_logits[i:i + batch])
         check_finite(lg, runner.name)
-        nll.append(token_nll(lg, w).reshape(-1))
-        ref_nll.append(token_nll(rl, w).reshape(-1))
-        kld.append(position_kld(rl, lg).reshape(-1))
-        top1.append(top1_match(rl, lg).reshape(-1))
+        for j in range(len(lg)):  # one window's reference logits at a time: [T, V] (254 MB at Qwen3.5's vocab)
+            s = window_scores(np.asarray(ref_logits[i + j:i + j + 1])[0], lg[j], windows[i + j])
+            for out, k in ((nll, "nll"), (ref_nll, "ref_nll"), (kld, "kld"), (top1, "top1")):
+                out.append(s[k])
+        del lg
     nll, ref_nll, kld, top1 = (np.concatenate(a) for a in (nll, ref_nll, kld, top1))
     ppl, ref_ppl = math.exp(nll.mean()), math.exp(ref_nll.mean())
     summary = {k: v for k, v in kld_summary(kld, top1).items() if k != "positions"}  # n_tokens says it

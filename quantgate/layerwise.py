@@ -88,19 +88,34 @@ class LayerwiseModel:
             self._drop(block)
 
     @torch.inference_mode()
-    def iter_logits(self, windows: np.ndarray, batch: int = 4) -> Iterator[tuple[int, np.ndarray]]:
-        """(first window, fp32 logits [b, T, V]) batch by batch, after one block-by-block pass over all windows."""
+    def iter_normed(self, windows: np.ndarray, batch: int = 4) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first window, final normed hidden state [b, T, D] fp32) batch by batch, after one block-by-block pass
+        over all windows: what the output head reads."""
         hs = self.hidden(windows, batch)
         norm = self.model.norm
         self._load(norm, "norm.")
-        head = "embed_tokens.weight" if self.cfg.tie_embeddings else "lm_head.weight"
-        w = self.weights[head]  # stored dtype; converted a slice of rows at a time
         for b, h in enumerate(hs):
-            x = norm(h)
-            yield b * batch, torch.cat([x @ w[v:v + VOCAB_SLICE].float().T for v in range(0, w.shape[0], VOCAB_SLICE)],
-                                       dim=-1).numpy()
+            yield b * batch, norm(h)
             hs[b] = None  # this batch's hidden states are no longer needed
         self._drop(norm)
+
+    def head_weight(self) -> torch.Tensor:
+        """The output head's weight in its stored dtype (the embedding's when tied)."""
+        return self.weights["embed_tokens.weight" if self.cfg.tie_embeddings else "lm_head.weight"]
+
+    @torch.inference_mode()
+    def iter_logits(self, windows: np.ndarray, batch: int = 4) -> Iterator[tuple[int, np.ndarray]]:
+        """(first window, fp32 logits [b, T, V]) batch by batch, after one block-by-block pass over all windows."""
+        w = self.head_weight()  # stored dtype; converted a slice of rows at a time
+        for i, x in self.iter_normed(windows, batch):
+            yield i, sliced_head(x, w).numpy()
+
+
+@torch.inference_mode()
+def sliced_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32 logits x @ w.T with the head weight `w` [V, D] (any stored dtype) converted VOCAB_SLICE rows at a time,
+    so the table is never held in fp32 whole."""
+    return torch.cat([x @ w[v:v + VOCAB_SLICE].float().T for v in range(0, w.shape[0], VOCAB_SLICE)], dim=-1)
 
 
 class LayerwiseRunner:

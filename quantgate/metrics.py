@@ -37,6 +37,28 @@ def top1_match(ref_logits: np.ndarray, test_logits: np.ndarray) -> np.ndarray:
     return ref_logits.argmax(-1) == test_logits.argmax(-1)
 
 
+def window_scores(ref_logits: np.ndarray, test_logits: np.ndarray, window: np.ndarray,
+                  chunk: int = 64) -> dict[str, np.ndarray]:
+    """One window's scores, `chunk` positions at a time so the float64 log-probabilities stay small at any vocabulary
+    (64 x 248,320 x 8 bytes: 127 MB): token NLL of the test and of the reference [T-1] (as token_nll), KL(P_ref ||
+    P_test) [T] and top-1 agreement [T]. ref_logits, test_logits: [T, V]; window: [T] token ids."""
+    T = len(window)
+    nll, ref_nll, kld, top1 = (np.empty(T - 1), np.empty(T - 1), np.empty(T), np.empty(T, dtype=bool))
+    for t0 in range(0, T, chunk):
+        t1 = min(t0 + chunk, T)
+        r, q = ref_logits[t0:t1], test_logits[t0:t1]
+        lp, lq = _log_softmax(r), _log_softmax(q)
+        kld[t0:t1] = (np.exp(lp) * (lp - lq)).sum(axis=-1)
+        top1[t0:t1] = r.argmax(-1) == q.argmax(-1)
+        n = min(t1, T - 1) - t0  # positions here that predict a next token
+        if n > 0:
+            target = window[t0 + 1:t0 + 1 + n, None]
+            nll[t0:t0 + n] = -np.take_along_axis(lq[:n], target, axis=-1)[:, 0]
+            ref_nll[t0:t0 + n] = -np.take_along_axis(lp[:n], target, axis=-1)[:, 0]
+        del lp, lq
+    return {"nll": nll, "ref_nll": ref_nll, "kld": kld, "top1": top1}
+
+
 def kld_summary(kld: np.ndarray, top1: np.ndarray) -> dict:
     """The one summary every comparison reports: KLD mean, p99 and max over positions, and top-1 agreement."""
     kld, top1 = kld.reshape(-1), top1.reshape(-1)

@@ -617,7 +617,7 @@ class Model(nn.Module):
 
     def forward(self, idx: torch.Tensor, past=None, start_pos: int = 0, probe: bool = False,
                 return_hidden: bool = False, on_layer=None, position_ids: torch.Tensor | None = None,
-                key_mask: torch.Tensor | None = None, kv_bits: int | None = None) -> ModelOutput:
+                key_mask: torch.Tensor | None = None, kv_bits: int | None = None, head: bool = True) -> ModelOutput:
         """idx: [B, T] token ids. Returns a ModelOutput (logits, the new cache, and what probe/return_hidden ask for).
 
         past: the per-layer cache of an earlier call (ModelOutput.past; None: an empty cache); start_pos: its length.
@@ -626,6 +626,8 @@ class Model(nn.Module):
         position_ids [B, T] and key_mask [B, P+T] (exported graphs) replace start_pos and the implicit mask.
         kv_bits: a quantized KV cache, k and v rounded per token and head to that many bits (mlx-lm's quantized
         cache: an option of the run, which the runners pass, not state of the model).
+        head=False: `logits` holds the final normed hidden state [B, T, D] instead, what the output head reads
+        (quantgate.reference stores it in place of the reference's logits).
         """
         B, T = idx.shape
         positions = position_ids if position_ids is not None else \
@@ -645,7 +647,8 @@ class Model(nn.Module):
                 probs.append(p)
             if return_hidden:
                 hidden.append(h)
-        logits = self.lm_head(self.norm(h)).float()
+        x = self.norm(h)
+        logits = self.lm_head(x).float() if head else x
         return ModelOutput(logits, presents, probs, hidden)
 
     def num_params(self) -> int:

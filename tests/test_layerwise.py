@@ -70,9 +70,9 @@ def test_layerwise_perplexity_and_kld_are_the_in_memory_ones(saved, name, tmp_pa
     other = "moe" if name != "moe" else "hybrid-tied"  # any second model of the same tokenizer
     monkeypatch.setenv("QUANTGATE_CACHE", str(tmp_path / "in-memory"))
     ra = evaluate_model(str(saved / other), t, ctx=32, max_windows=6, reference=str(saved / name), layerwise=False)
-    import quantgate.evaluate as ev
-    real = ev.torch_runner
-    monkeypatch.setattr(ev, "torch_runner", lambda path, name="torch", layerwise=None: real(path, name, True))
+    import quantgate.reference as rf
+    real = rf.torch_runner
+    monkeypatch.setattr(rf, "torch_runner", lambda path, name="torch", layerwise=None: real(path, name, True))
     monkeypatch.setenv("QUANTGATE_CACHE", str(tmp_path / "layerwise"))
     rb = evaluate_model(str(saved / other), t, ctx=32, max_windows=6, reference=str(saved / name), layerwise=True)
     for k in ("ppl", "reference_ppl", "kld_mean", "top1_agreement"):

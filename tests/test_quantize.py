@@ -199,7 +199,7 @@ def test_quantize_cli_writes_a_checkpoint_that_reloads_with_its_scheme(tmp_path,
     assert res["delta_ppl"] == pytest.approx(res["ppl"] - res["reference_ppl"])
     sq = res["layer_sqnr_db"]["layers.0.mlp.down_proj"]
     assert 10 < sq["input_db"] < 120 and 10 < sq["output_db"] < 120
-    assert len(list((tmp_path / "cache").glob("ref-logits-*.npy"))) == 1
+    assert len(list((tmp_path / "cache").glob("ref-hidden-*.npy"))) == 1
     again = run_cli("eval", str(tmp_path / "q"), "--reference", str(src), "--data", str(text), "--ctx", "64",
                     "--json", env=env)
     assert json.loads(again.stdout)["kld_mean"] == res["kld_mean"]  # the cached reference gives the same answer

@@ -210,29 +210,6 @@ def test_an_unknown_mtp_tensor_is_refused_not_dropped(tmp_path):
     assert "peak memory:" in r.stderr
 
 
-def test_reference_logits_go_to_disk_a_batch_at_a_time(tmp_path, monkeypatch):
-    from quantgate.evaluate import reference_logits
-    from quantgate.runners import TorchRunner
-    m = _model("elementwise", False, False)
-    d = _save(m, "qwen3_next", tmp_path / "ckpt", bf16=False)
-    monkeypatch.setenv("QUANTGATE_CACHE", str(tmp_path / "cache"))
-    windows = np.random.default_rng(0).integers(3, 300, size=(10, 16))
-    sizes = []
-    real = TorchRunner.logits
-
-    def counting(self, w):
-        sizes.append(len(w))
-        return real(self, w)
-
-    monkeypatch.setattr(TorchRunner, "logits", counting)
-    got = reference_logits(str(d), windows, "test")
-    assert isinstance(got, np.memmap) and max(sizes) <= 4 and sum(sizes) == 10
-    want = real(TorchRunner(load_checkpoint(d).model), windows)
-    assert np.array_equal(np.asarray(got), want)
-    sizes.clear()
-    assert np.array_equal(np.asarray(reference_logits(str(d), windows, "test")), want) and sizes == []  # cached
-
-
 def test_an_export_the_disk_cannot_hold_is_refused_before_writing(tmp_path, monkeypatch):
     import shutil
     from collections import namedtuple
