@@ -67,6 +67,7 @@ TRAINED = ("state", "baseline", "gated")  # what the train stage writes into the
 # interval_width.json: the twins' KLD-ratio interval is 1.3-1.6x wider at 32 windows than at 64)
 DEMO_WINDOWS = 32
 DEMO_EVAL_WINDOWS = 64  # held-out windows of the demo's perplexity table (per twin)
+DEMO_PROMPT = "def "   # the generated sample's prompt: the embedded corpus is Python code
 FAST_WINDOWS = 16       # both, under --fast (the fewest that give an interval: quantgate.stats.MIN_UNITS)
 
 # The sink lab (`quantgate demo --lab sinks`): twins trained on Guo et al.'s Bigram-Backcopy task
@@ -203,8 +204,9 @@ def run_demo(out: str | Path, fast: bool = False, gate: str = "elementwise", thr
     gguf = Path(rep["cells"].get("gguf/gated/Q4_K_M", {}).get("artifact", ""))
     sample = None
     if gguf.is_file():
-        console.print(f"[bold]generate[/] from {gguf.name}:")
-        res = generate(str(gguf), "def ", max_tokens=48, threads=threads,
+        console.print(f"[bold]generate[/] from {gguf.name}, prompt {DEMO_PROMPT!r}:")
+        console.out(DEMO_PROMPT, end="", highlight=False)  # the sample continues the prompt: shown together
+        res = generate(str(gguf), DEMO_PROMPT, max_tokens=48, threads=threads,
                        on_text=lambda piece: console.out(piece, end="", highlight=False))
         console.print("")
         console.print(f"prefill {res.prefill_tps:.0f} tok/s, decode {res.decode_tps:.0f} tok/s", markup=False)

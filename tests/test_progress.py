@@ -1,0 +1,47 @@
+"""Progress in a log: with stderr a file or pipe, long work prints a plain line (stage, done/total, its fields,
+rate, time left) at least every QUANTGATE_PROGRESS_EVERY seconds; QUANTGATE_PROGRESS=0 prints none."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from conftest import save_tiny_twins
+
+
+def _timed_stderr(args: list[str], env: dict) -> tuple[int, list[tuple[float, str]]]:
+    """Run the CLI with stderr a pipe; each stderr line with the time it arrived."""
+    p = subprocess.Popen([sys.executable, "-m", "quantgate.cli", *args], stderr=subprocess.PIPE,
+                         stdout=subprocess.DEVNULL, text=True, cwd=tempfile.gettempdir(), env={**os.environ, **env})
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: [lines.append((time.monotonic(), ln.rstrip())) for ln in p.stderr])
+    reader.start()
+    rc = p.wait(timeout=600)
+    reader.join()
+    return rc, lines
+
+
+def test_training_in_a_log_prints_plain_progress_lines_with_no_long_gap(tmp_path):
+    d = save_tiny_twins(tmp_path)
+    args = ["train", "--twins", "--preset", "tiny", "--byte-tokenizer", "--data", str(d / "text.txt"), "--steps", "60",
+            "--batch-size", "4", "--ctx", "64", "--out", str(tmp_path / "run")]
+    env = {"QUANTGATE_PROGRESS_EVERY": "0.5"}
+    start = time.monotonic()
+    rc, lines = _timed_stderr(args, {**env, "QUANTGATE_PROGRESS": "1"})
+    assert rc == 0, lines[-5:]
+    progress = [(t, ln) for t, ln in lines if re.match(r"train: \d+/60, ", ln)]
+    assert len(progress) >= 2, lines
+    # the stage, done/total, each twin's loss, the tokens/s field, elapsed and (once there is a rate) time left
+    assert any(re.search(r"train: \d+/60, [\d,]+ tok/s, baseline \d+\.\d+, gated \d+\.\d+, [\d.]+/s, "
+                         r"\dm\d\ds elapsed, \dm\d\ds left", ln) for _t, ln in progress), progress
+    times = [start] + [t for t, _ln in lines]
+    first = next(t for t, ln in lines if ln.startswith("train: "))
+    gaps = [b - a for a, b in zip(times, times[1:]) if a >= first]
+    assert max(gaps) < 0.5 + 2.0, gaps  # the interval, plus the reporter's tick and a loaded machine's slack
+    # off: no progress line at all
+    rc, quiet = _timed_stderr(args[:-1] + [str(tmp_path / "run2")], {**env, "QUANTGATE_PROGRESS": "0"})
+    assert rc == 0 and not any(re.match(r"train: \d+/60", ln) for _t, ln in quiet)
