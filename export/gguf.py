@@ -28,7 +28,7 @@ from quantgate.formats.gguf_layout import (BLOCK_TENSORS, GGUF_ARCHS, GLOBAL_TEN
                                            SPLIT_PRE_TOKENIZERS, IdentityLayerShape, arch_of,
                                            expected_tensor_names, expected_tensor_shapes, gguf_arch,
                                            gdn_to_gguf, identity_recurrent_layer, moe_to_gguf, mtp_expert_recipes,
-                                           mtp_names,
+                                           mtp_names, MTP_BLOCK_TENSORS, MTP_MOE_TENSORS, MTP_NEXTN_TENSORS,
                                            rope_sections)
 from quantgate.formats.hf import STORED_DTYPES, available_memory, open_hf
 from quantgate.fsio import atomic_path, check_output
@@ -143,6 +143,7 @@ def mtp_tensors(ckpt, n_layers: int) -> list[tuple[str, Callable[[], torch.Tenso
     """The checkpoint's multi-token-prediction head as llama.cpp's converter writes it (qwen35: `blk.{L+j}.*`, one
     full-attention block after the trunk, plus its `nextn.*` projection and norms; gguf_layout.mtp_names): (GGUF name, a
     reader of the stored tensor with zero-centred norms + 1). Empty when the checkpoint has none."""
+    check_mtp_head(ckpt, n_layers)
     out = []
     moe = ckpt.cfg.is_moe
     for their, gguf_name in mtp_names(ckpt.src.names(), ckpt.hf, n_layers, moe).items():
@@ -152,6 +153,63 @@ def mtp_tensors(ckpt, n_layers: int) -> list[tuple[str, Callable[[], torch.Tenso
     for gguf_name, (how, theirs) in mtp_expert_recipes(ckpt.src.names(), n_layers, ckpt.cfg.n_experts).items():
         out.append((gguf_name, lambda meta=False, h=how, t=theirs: _mtp_experts(ckpt, h, t, meta)))
     return out
+
+
+def check_mtp_head(ckpt, n_layers: int) -> None:
+    """Refuse, before a byte is written, an MTP head llama.cpp could not load: a missing tensor (every block needs its
+    full set, numbered from 0, plus the nextn projection and norms), a shape that is not the trunk's, or a dtype
+    quantgate does not read. Each names the tensors and --no-mtp."""
+    names = sorted(n for n in ckpt.src.names() if n.startswith(("mtp.", "model.mtp.")))
+    if not names:
+        return
+    prefix = "model.mtp." if names[0].startswith("model.mtp.") else "mtp."
+    no_mtp = "export with --no-mtp to leave the head out"
+    bad = [f"{n} ({ckpt.src.header(n)[1]})" for n in names if ckpt.src.header(n)[1] not in STORED_DTYPES]
+    if bad:
+        raise QuantgateError(f"the multi-token-prediction head has tensors in a dtype quantgate does not read: "
+                             f"{_some(bad)}; {no_mtp}")
+    moe = ckpt.cfg.is_moe
+    block = {k for k in MTP_BLOCK_TENSORS if not (moe and k.startswith("mlp."))} | (set(MTP_MOE_TENSORS) if moe else set())
+    found = {int(n[len(prefix):].split(".")[1]) for n in names
+             if n[len(prefix):].startswith("layers.") and n[len(prefix):].split(".")[1].isdecimal()}
+    n_blocks = int(ckpt.hf.get("mtp_num_hidden_layers") or (max(found) + 1 if found else 1))
+    want = [prefix + k for k in MTP_NEXTN_TENSORS] + [f"{prefix}layers.{j}.{k}" for j in range(n_blocks)
+                                                       for k in sorted(block)]
+    missing = [n for n in want if n not in set(names)]
+    extra = sorted(j for j in found if j >= n_blocks)
+    if missing or extra:
+        what = f"missing {_some(missing)}" if missing else ""
+        if extra:
+            what += ("; " if what else "") + f"blocks {extra} beyond its {n_blocks} (blocks are numbered from 0)"
+        raise QuantgateError(f"the checkpoint's multi-token-prediction head is incomplete: {what}; {no_mtp}")
+    D = ckpt.cfg.dim
+    expect = {prefix + "fc.weight": (D, 2 * D), **{prefix + k: (D,) for k in MTP_NEXTN_TENSORS if k != "fc.weight"}}
+    trunk = _trunk_names(ckpt)
+    for j in range(n_blocks):
+        for k in block:
+            if k in trunk:
+                expect[f"{prefix}layers.{j}.{k}"] = tuple(ckpt.src.header(trunk[k])[0])
+    wrong = [f"{n} {tuple(ckpt.src.header(n)[0])} (want {shape})" for n, shape in expect.items()
+             if tuple(ckpt.src.header(n)[0]) != shape]
+    if wrong:
+        raise QuantgateError(f"the multi-token-prediction head's shapes are not the trunk's: {_some(wrong)}; {no_mtp}")
+
+
+def _trunk_names(ckpt) -> dict[str, str]:
+    """The stored name of each tensor of the trunk's first full-attention layer, by its name within the layer."""
+    i = ckpt.cfg.full_attention_layers[0] if ckpt.cfg.is_hybrid else 0
+    out = {}
+    for n in ckpt.src.names():
+        if n.startswith(("mtp.", "model.mtp.")) or f"layers.{i}." not in n:
+            continue
+        rest = n.split(f"layers.{i}.", 1)[1]
+        if n.endswith(f"layers.{i}.{rest}"):
+            out[rest] = n
+    return out
+
+
+def _some(items: list[str], k: int = 6) -> str:
+    return ", ".join(items[:k]) + (f" (+{len(items) - k} more)" if len(items) > k else "")
 
 
 def _mtp_experts(ckpt, how: str, theirs: list[str], meta: bool = False) -> torch.Tensor:

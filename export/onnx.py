@@ -24,7 +24,8 @@ from quantgate.errors import QuantgateError
 from quantgate.formats import load_checkpoint
 from quantgate.formats.hf import available_memory, config_to_hf, open_hf
 from quantgate.formats.kind import artifact_kind
-from quantgate.formats.onnx_io import EXTERNAL_DATA, INLINE_LIMIT, io_names, onnx_bytes, save_onnx, weight_bytes
+from quantgate.formats.onnx_io import (EXTERNAL_DATA, INLINE_LIMIT, check_model, check_written, io_names, onnx_bytes,
+                                      save_onnx, weight_bytes)
 from quantgate.fsio import atomic_dir, check_output
 from quantgate.info import header_config, param_count
 from quantgate.layouts import DEFAULT_LAYOUT_FOR_GATE, LAYOUTS
@@ -72,7 +73,7 @@ def write_onnx(cfg, weights, path: Path, opset: int = 23, dtype: str = "fp32") -
     name_linear_weights(proto)
     onnx.save(proto, str(path))
     del proto
-    onnx.checker.check_model(str(path))  # from the file: the checker reads external data's headers, not the bytes
+    check_model(path)  # from the file: the checker reads external data's headers, not the bytes
     if dtype == "fp16" or plan_bytes(plan) <= INLINE_LIMIT:
         graph = onnx.load(str(path))
         (path.parent / EXTERNAL_DATA).unlink()
@@ -181,6 +182,7 @@ def _export(cfg, tokenizer, out_dir: str | Path, write, opset: int, graph: str, 
                 **({"layer_types": list(cfg.layer_types)} if cfg.is_hybrid else {}),
                 **({"gdn_op": gdn_op or default_gdn_op()} if cfg.is_hybrid and graph == "gqa" else {})}
         (tmp / "quantgate.json").write_text(json.dumps(meta, indent=2) + "\n")
+        check_written(tmp, out_dir)
     return out_dir
 
 

@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from quantgate.errors import QuantgateError
-from quantgate.formats.onnx_io import EXTERNAL_DATA, INLINE_LIMIT, LOGITS_TO_KEEP, DataWriter, io_names, save_onnx
+from quantgate.formats.onnx_io import (EXTERNAL_DATA, INLINE_LIMIT, LOGITS_TO_KEEP, DataWriter, check_model, io_names,
+                                      save_onnx)
 from quantgate.model import ModelConfig
 from quantgate.progress import track
 
@@ -187,7 +188,7 @@ def build_gqa_graph(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], path:
                               producer_name="quantgate")
     model.ir_version = 10  # ORT 1.31 refuses onnx 1.23's default IR 14
     onnx.save(model, str(path))
-    onnx.checker.check_model(str(path))  # from the file: external data's headers, not its bytes
+    check_model(path)  # from the file: external data's headers, not its bytes
     if b.writer.offset <= INLINE_LIMIT:  # a small model is one file, as every export of quantgate's
         whole = onnx.load(str(path))
         (path.parent / EXTERNAL_DATA).unlink()

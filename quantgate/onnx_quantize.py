@@ -35,7 +35,7 @@ from .calib_data import calibration_windows, check_ctx, data_paths
 from .errors import QuantgateError
 from .formats.hf import available_memory
 from .formats.onnx import onnx_context
-from .formats.onnx_io import INLINE_LIMIT, LOGITS_TO_KEEP, check_graph, onnx_bytes, read_meta, resolve_onnx, save_onnx
+from .formats.onnx_io import INLINE_LIMIT, LOGITS_TO_KEEP, check_graph, check_written, onnx_bytes, read_meta, resolve_onnx, save_onnx
 from .fsio import atomic_dir, check_output
 from .onnx_weight_only import UNTIED, quantize_weight_only, tied_head
 from .quant.schemes import ONNX_SCHEMES, with_gate_bits
@@ -221,4 +221,4 @@ def _run(path: Path, out_dir: Path, scheme: str, gate_bits, block_size: int, gat
                                          "calibration_windows": 0 if windows is None else len(windows),
                                          "source": str(path)}}
         (tmp / "quantgate.json").write_text(json.dumps(meta, indent=2) + "\n")
-        check_graph(dst)
+        check_written(tmp, out_dir)

@@ -196,6 +196,45 @@ def test_a_file_with_the_mtp_head_runs_in_llama_cpp_with_the_trunks_logits(tmp_p
     assert np.allclose(out["kept"], out["dropped"], atol=1e-5)
 
 
+def _drop_all_but(keep):
+    return lambda sd: {k: v for k, v in sd.items() if not k.startswith("mtp.") or k in keep}
+
+
+def _renumbered(sd):
+    return {k.replace("mtp.layers.0.", "mtp.layers.1."): v for k, v in sd.items()}
+
+
+MTP_DEFECTS = {  # what the held-out sweep found written, then refused by the file's own check (or a KeyError)
+    "only fc and norm": (_drop_all_but({"mtp.fc.weight", "mtp.norm.weight"}), "incomplete: missing"),
+    "one tensor missing": (lambda sd: {k: v for k, v in sd.items() if k != "mtp.layers.0.self_attn.k_proj.weight"},
+                           "missing mtp.layers.0.self_attn.k_proj.weight"),
+    "blocks numbered from 1": (_renumbered, "numbered from 0"),
+    "wrong shape": (lambda sd: {**sd, "mtp.layers.0.mlp.up_proj.weight": sd["mtp.layers.0.mlp.up_proj.weight"][:-1]},
+                    "shapes are not the trunk's: mtp.layers.0.mlp.up_proj.weight"),
+    "fc wrong shape": (lambda sd: {**sd, "mtp.fc.weight": sd["mtp.fc.weight"][:, :8].contiguous()},
+                       "mtp.fc.weight"),
+    "a dtype quantgate does not read": (
+        lambda sd: {**sd, "mtp.norm.weight": sd["mtp.norm.weight"].to(torch.float8_e4m3fn)}, "F8_E4M3"),
+}
+
+
+@pytest.mark.parametrize("defect", list(MTP_DEFECTS))
+def test_a_defective_mtp_head_is_refused_before_anything_is_written(tmp_path, monkeypatch, defect):
+    edit, needle = MTP_DEFECTS[defect]
+    m = _model("elementwise", True, False)
+    d = with_mtp(_save(m, "qwen3_5", tmp_path / "plain", bf16=False), tmp_path / "mtp", m.cfg)
+    save_file(edit(load_file(d / "model.safetensors")), str(d / "model.safetensors"))
+    import gguf as gguf_py
+    monkeypatch.setattr(gguf_py, "GGUFWriter", lambda *a, **k: pytest.fail("a GGUF was started"))
+    with pytest.raises(QuantgateError, match="--no-mtp") as e:
+        export_checkpoint(d, tmp_path / "x.gguf", "f32")
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mtp", "plain"]
+    monkeypatch.undo()
+    r = run_cli("export", "gguf", str(d), "--out", str(tmp_path / "y.gguf"), "--no-mtp")
+    assert r.returncode == 0, r.stderr[-800:]
+
+
 def test_an_unknown_mtp_tensor_is_refused_not_dropped(tmp_path):
     m = _model("elementwise", True, False)
     d = with_mtp(_save(m, "qwen3_5", tmp_path / "plain", bf16=False), tmp_path / "mtp", m.cfg)

@@ -595,7 +595,18 @@ def save_checkpoint(model: Model, out: str | Path, tokenizer: Tokenizer | None =
     with atomic_dir(out, "checkpoint") as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_side_files(tmp, cfg, lay, tokenizer)
+        check_written(tmp, out)
     return Path(out)
+
+
+def check_written(tmp: Path, out: str | Path) -> None:
+    """quantgate's own reader must open the checkpoint it just wrote (config, layout, every tensor's header); one it
+    refuses is never committed: the caller's atomic_dir removes it."""
+    try:
+        open_hf(tmp, with_tokenizer=(tmp / "tokenizer.json").is_file())
+    except QuantgateError as e:
+        raise QuantgateError(f"{str(e).replace(str(tmp), str(out))} (the written checkpoint failed quantgate's own "
+                             f"check; nothing was kept)") from None
 
 
 def layout_for(cfg: ModelConfig, layout: str | None = None) -> Layout:

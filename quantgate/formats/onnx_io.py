@@ -143,6 +143,26 @@ def decoder_inputs(model) -> list:
     return [i for i in model.graph.input if i.name != LOGITS_TO_KEEP]
 
 
+def check_model(path: Path) -> None:
+    """onnx's checker on a written file (it reads external data's headers, not the bytes); its failure as one line."""
+    try:
+        onnx.checker.check_model(str(path))
+    except Exception as e:  # ValidationError, or a protobuf error on a malformed file
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise QuantgateError(f"{path}: the written graph fails onnx's checker: {first}") from None
+
+
+def check_written(folder: Path, out: Path | str) -> None:
+    """quantgate's own checks on the export or quantized graph it just wrote in `folder` (onnx's checker, then what
+    the runner relies on); one it refuses is never committed: the caller's atomic_dir removes it."""
+    try:
+        check_model(folder / "model.onnx")
+        check_graph(folder / "model.onnx")
+    except QuantgateError as e:
+        raise QuantgateError(f"{str(e).replace(str(folder), str(out))} (the written export failed quantgate's own "
+                             f"check; nothing was kept)") from None
+
+
 def check_graph(path: Path):
     """Load the graph (without its weights) and check what ONNX Runtime and our runner rely on: the
     exporter's input/output names, dtypes and cache shapes, and every external-data file the weights name

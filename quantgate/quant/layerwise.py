@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import QuantgateError
-from ..formats.hf import HFCheckpoint, hf_tensors, write_side_files
+from ..formats.hf import HFCheckpoint, check_written, hf_tensors, write_side_files
 from ..formats.safetensors_stream import SafetensorsWriter
 from ..fsio import atomic_dir
 from ..layerwise import LayerwiseModel, capture_layerwise
@@ -95,6 +95,7 @@ def quantize_layerwise(ckpt: HFCheckpoint, scheme: TorchScheme, windows: np.ndar
         out_cfg = dataclasses.replace(cfg, extra={**cfg.extra, "quant_scheme": scheme.to_dict(),
                                                   "quant_state": state, **extra})
         write_side_files(tmp, out_cfg, layout, ckpt.tokenizer)
+        check_written(tmp, out)
     return state
 
 
