@@ -152,7 +152,8 @@ def main():
 
 def _emit(obj: dict, as_json: bool) -> None:
     if as_json:
-        click.echo(json.dumps(obj, indent=2))
+        from quantgate.fsio import strict_json
+        click.echo(json.dumps(strict_json(obj), indent=2, allow_nan=False))
     else:
         for k, v in obj.items():
             if k == "per_window":  # the bootstrap's units: too long for a terminal line
@@ -309,10 +310,15 @@ def _base_names(backend: str) -> str:
                      and not n.startswith("kv-") and n != "fp32")
 
 
-def _print_schemes(backend: str | None, as_json: bool) -> None:
-    """`quantize --list`: the registry, one line per scheme under its backend (JSON rows with --json)."""
+def _print_schemes(backend: str | None, as_json: bool, model: str | None = None) -> None:
+    """`quantize --list`: the registry, one line per scheme under its backend (JSON rows with --json); with a MODEL,
+    what each keep scope holds in that model (a Gated DeltaNet clause only for a hybrid)."""
     from quantgate.quant import listing
-    rows = listing(backend)
+    hybrid = None
+    if model is not None:
+        from quantgate.info import header_config
+        hybrid = header_config(model).is_hybrid
+    rows = listing(backend, hybrid)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -370,7 +376,7 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
 
     from quantgate import quant
     if list_schemes:  # the registry alone: no torch, onnx or llama.cpp to import
-        _print_schemes(None if backend == "auto" else CLI_BACKENDS[backend], as_json)
+        _print_schemes(None if backend == "auto" else CLI_BACKENDS[backend], as_json, model)
         return
     from quantgate.quant.build import CalibSettings, quantize
     if model is None or out is None:
@@ -487,7 +493,7 @@ def generate(model, prompt, max_tokens, temperature, seed, kv_type, threads):
     bound = (f" ({res.fraction_of_bound:.0%} of the memory-bandwidth bound: {res.bytes_per_token / 1e6:.0f} MB read "
              f"per token at {res.bandwidth_gbs:.1f} GB/s)" if res.bandwidth_gbs else "")
     console.print(f"[{res.backend}] prompt {res.prompt_tokens} tokens: prefill {res.prefill_tps:.1f} tok/s; "
-                  f"{res.new_tokens} new tokens: decode {res.decode_tps:.1f} tok/s{bound}", markup=False,
+                  f"{res.new_tokens} new tokens: decode {res.decode_tps:.1f} tok/s{bound}; threads {res.threads}", markup=False,
                   highlight=False)
 
 

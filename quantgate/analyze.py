@@ -16,7 +16,7 @@ from .calib_data.synthetic import BIGRAM_BACKCOPY, TRIGGERS
 from .errors import QuantgateError
 from .formats import artifact_kind, load_checkpoint
 from .formats.hf import open_hf
-from .layerwise import LayerwiseModel, needs_layerwise
+from .layerwise import LayerwiseModel, check_layerwise_applies, needs_layerwise
 from .fsio import atomic_file, check_output, claim_folder, write_json
 from .gate_survival import check_gate_survival
 from .info import param_count
@@ -37,6 +37,7 @@ def analyze(model_path: str, data: str = "embedded", ctx: int = 256, n_windows: 
     """The outlier report of one model. A model directory whose fp32 weights do not fit in memory is run block by
     block (quantgate.layerwise; `layerwise=True` forces it, False forbids it): the same report."""
     lw = None
+    check_layerwise_applies(layerwise, artifact_kind(model_path), model_path)
     if artifact_kind(model_path) == "hf" and layerwise is not False:
         ckpt = open_hf(model_path, must_fit_block_by_block=True)
         if layerwise or needs_layerwise(ckpt.cfg):

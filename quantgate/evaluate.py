@@ -18,7 +18,7 @@ from .errors import QuantgateError
 from .formats import artifact_kind, load_checkpoint
 from .formats.gguf import check_finite_weights, inspect_gguf, open_reader, tokenizer_from_gguf
 from .formats.hf import open_hf
-from .layerwise import LayerwiseRunner, iter_logits, needs_layerwise
+from .layerwise import LayerwiseRunner, check_layerwise_applies, iter_logits, needs_layerwise
 from .formats.onnx import check_finite_initializers, onnx_context
 from .formats.onnx_io import onnx_bytes, read_meta, resolve_onnx
 from .metrics import kld_summary, layer_sqnr, token_nll, window_scores
@@ -86,6 +86,7 @@ def open_model(model_path: str, device: str = "cpu", torchao: str | None = None,
     ONNX export (ONNX Runtime). Windows of `ctx` tokens must fit the model's context; weights must be finite. A
     float model directory too large for memory (or any, with `layerwise=True`) runs block by block."""
     kind = artifact_kind(model_path)
+    check_layerwise_applies(layerwise, kind, model_path)
     if kind == "gguf":
         if torchao:
             raise QuantgateError("--torchao applies to PyTorch model directories, not GGUF files")

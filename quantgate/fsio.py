@@ -18,6 +18,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -616,11 +617,24 @@ def atomic_dir(path: Path | str, kind: str | None = None) -> Iterator[Path]:
         _reraise(e, path)
 
 
+def strict_json(obj):
+    """`obj` with every non-finite float (NaN, +-Inf: a kurtosis of a constant input, a ratio over zero) as None, so
+    the JSON written is strict (Python writes a bare NaN, which other parsers reject)."""
+    if isinstance(obj, float) or (hasattr(obj, "dtype") and getattr(obj, "ndim", None) == 0
+                                  and getattr(obj.dtype, "kind", "") == "f"):
+        return float(obj) if math.isfinite(float(obj)) else None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return obj
+
+
 def write_json(path: Path | str, obj, kind: str | None = None) -> None:
-    """Write JSON atomically. With `kind` (an output a user names: analysis, attribution) the object carries
-    `quantgate_artifact` so a later run knows the file is quantgate's to replace."""
+    """Write strict JSON (strict_json) atomically. With `kind` (an output a user names: analysis, attribution) the
+    object carries `quantgate_artifact` so a later run knows the file is quantgate's to replace."""
     if kind is not None:
         obj = {"quantgate_artifact": kind, **obj}
     with atomic_file(path, "w", kind=kind) as f:
-        json.dump(obj, f, indent=2)
+        json.dump(strict_json(obj), f, indent=2, allow_nan=False)
         f.write("\n")

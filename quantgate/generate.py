@@ -40,6 +40,7 @@ class GenerateResult:
     bytes_per_token: float = 0.0     # what one decode step reads at the mean decode position
     bandwidth_gbs: float = 0.0       # read bandwidth measured after generating (GB/s, every core)
     fraction_of_bound: float = 0.0   # decode tok/s over bandwidth / bytes_per_token
+    threads: str = ""                # the CPU threads the runner used, and whether that was the default
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -132,13 +133,22 @@ def generate(model_path: str, prompt: str, max_tokens: int = 64, temperature: fl
                 new.append(rec.id)
                 prev = _emit_tail(tok, new, prev, pieces, on_text)
     res = GenerateResult("".join(pieces), len(ids), done.new_tokens, done.prefill_tps, done.decode_tps, backend,
-                         context, budget < max_tokens and done.new_tokens == budget)
+                         context, budget < max_tokens and done.new_tokens == budget, threads=_threads_used(runner))
     if done.new_tokens > 1:  # decode speed is measured from the second new token on
         reads = _decode_bytes(model_path, runner)
         res.bytes_per_token = reads.at(len(ids) + done.new_tokens / 2)
         res.bandwidth_gbs = read_bandwidth(256 << 20, repeats=3) / 1e9
         res.fraction_of_bound = done.decode_tps * res.bytes_per_token / (res.bandwidth_gbs * 1e9)
     return res
+
+
+def _threads_used(runner) -> str:
+    """The CPU threads a runner ran on, in words (speeds on a loaded machine swing with them)."""
+    if isinstance(runner, LlamaRunner):
+        return f"{runner.threads}" + (" (the default, min(cores, 8); --threads sets it)" if runner.threads_default else "")
+    if isinstance(runner, OrtRunner):
+        return str(runner.threads) if runner.threads else "onnxruntime's default (one per physical core)"
+    return f"{torch.get_num_threads()}"
 
 
 def _decode_bytes(model_path: str, runner):

@@ -1,12 +1,17 @@
 """`quantgate info`: what a model directory holds, without running it."""
 from __future__ import annotations
 
+import onnx
 import torch
 
+from .errors import QuantgateError
 from .formats import artifact_kind, inspect_gguf, load_checkpoint
 from .formats.gguf import gguf_config, open_reader, tokenizer_from_gguf
-from .formats.hf import open_hf
+from .formats.onnx_io import check_graph, onnx_bytes, read_meta, resolve_onnx
+from .fsio import read_json
+from .formats.hf import config_from_hf, open_hf
 from .model import Model
+from .tokenizer import load_tokenizer
 from .quant.simulate import block_bits_per_weight
 
 
@@ -40,6 +45,8 @@ def _header(path: str):
                           "source_layout": g.source_layout, "identity_layers": g.n_blocks - g.n_layers - g.nextn_layers,
                           "mtp_layers": g.nextn_layers}}
         return cfg, f"gguf:{g.arch}", n, tok, facts
+    if kind == "onnx":
+        return _onnx_header(path)
     if kind == "hf":
         ckpt = open_hf(path)
         if "quant_scheme" not in ckpt.cfg.extra:
@@ -52,6 +59,42 @@ def _header(path: str):
         facts = {"quantization": {"scheme": loaded.model.cfg.extra["quant_scheme"].get("name"),
                                   "block_bits_per_weight": block_bits_per_weight(loaded.model)}}
     return loaded.model.cfg, loaded.layout, loaded.model.num_params(), loaded.tokenizer, facts
+
+
+def _onnx_header(path: str):
+    """An ONNX export's facts from its graph (weights not loaded) and the files beside it: the source's config and
+    parameter count (its tying included), the scheme, file bytes and bits per weight, and what the logits read."""
+    onnx_path, model_dir = resolve_onnx(path)
+    check_graph(onnx_path)
+    cfg_file = model_dir / "config.json"
+    if not cfg_file.is_file():
+        raise QuantgateError(f"{model_dir}: no config.json beside model.onnx")
+    cfg, _layout = config_from_hf(read_json(cfg_file), model_dir)
+    meta = read_meta(model_dir)
+    graph = onnx.load(str(onnx_path), load_external_data=False)
+    with torch.device("meta"):
+        n = Model(cfg).num_params()
+    scheme = (meta.get("quantization") or {}).get("scheme") or meta.get("dtype", "fp32")
+    size = onnx_bytes(model_dir)
+    facts = {"onnx": {"scheme": scheme, "graph": meta.get("graph", "standard"), "bytes": size,
+                      "bits_per_weight": round(8 * size / n, 3), "logits": _onnx_logits(cfg, graph, scheme)}}
+    tok = None
+    if (model_dir / "tokenizer.json").is_file():
+        tok = load_tokenizer(model_dir, meta.get("bos_id", cfg.bos_id), meta.get("eos_id", cfg.eos_id))
+    return cfg, f"onnx:{scheme}", n, tok, facts
+
+
+def _onnx_logits(cfg, graph, scheme: str) -> str:
+    """What the export's logits MatMul reads, in words: the source's own head, the tied table, or the copy of the
+    tied table quantize_onnx adds (counted once in the parameters, as the source has it)."""
+    if not cfg.tie_embeddings:
+        return "the source's own output head (untied)"
+    if any(t.name.startswith("model.lm_head.weight_T") for t in graph.graph.initializer):
+        return (f"a {scheme} copy of the tied embedding table, beside the table the lookup reads (the source is tied; "
+                f"its parameters are counted once)")
+    if any(nd.op_type == "GatherBlockQuantized" for nd in graph.graph.node):
+        return f"the tied embedding table, one packed {scheme} table shared with the lookup"
+    return "the tied embedding table (shared with the lookup)"
 
 
 def header_config(path):

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .capture import Hook, hooked
+from .errors import QuantgateError
 from .formats.hf import HFCheckpoint, fp32_load
 from .memory import release_freed
 from .model import Model, pytorch_only, rope_cache
@@ -144,6 +145,15 @@ def iter_logits(runner, windows: np.ndarray, batch: int = 4) -> Iterator[tuple[i
         return
     for i in range(0, len(windows), batch):
         yield i, runner.logits(windows[i:i + batch])
+
+
+def check_layerwise_applies(layerwise: bool | None, kind: str, path) -> None:
+    """--layerwise runs a PyTorch model directory block by block; a GGUF or an ONNX export runs whole in its own
+    runtime, so asking for it there is refused rather than ignored."""
+    if layerwise and kind in ("gguf", "onnx"):
+        raise QuantgateError(f"--layerwise runs a model directory one decoder block at a time; {path} is "
+                             f"{'a GGUF' if kind == 'gguf' else 'an ONNX export'}, which "
+                             f"{'llama.cpp' if kind == 'gguf' else 'ONNX Runtime'} runs whole: drop --layerwise")
 
 
 def needs_layerwise(cfg) -> bool:

@@ -150,7 +150,13 @@ def _cached(path: Path, windows: np.ndarray) -> np.ndarray | None:
 
 
 def _reference_runner(ref_path: str):
-    """The fp32 PyTorch runner of the reference (block by block when it does not fit in memory)."""
+    """The fp32 PyTorch runner of the reference: a model directory runs block by block (quantgate.layerwise), so
+    the pass holds one block, the stored embedding and the windows' hidden states, never the whole fp32 model (the
+    same arithmetic to rounding); anything else (a sink-lab model, a GGUF or ONNX read back) loads whole."""
+    if artifact_kind(ref_path) == "hf":
+        ckpt = open_hf(ref_path, must_fit_block_by_block=True)
+        if not ckpt.cfg.is_lab:
+            return LayerwiseRunner(ckpt, name="reference (layer by layer)")
     return torch_runner(ref_path, name="reference")
 
 

@@ -114,3 +114,26 @@ def test_generate_reports_the_fraction_of_the_bandwidth_bound(tied):
     assert "of the memory-bandwidth bound" in line and "MB read per token at" in line
     pct = float(line.split("tok/s (")[1].split("%")[0])
     assert 0 < pct < 1000  # a decode rate over a copy bound: can exceed 100% only when the file fits in cache
+    assert line.endswith("; threads 1")  # speeds on a loaded machine swing with the threads: said
+    default = run_cli("generate", str(d / "m.gguf"), "--prompt", "hello", "--max-tokens", "2")
+    line = [ln for ln in default.stderr.splitlines() if "decode" in ln][-1]
+    assert "threads " in line and "(the default, min(cores, 8); --threads sets it)" in line, line
+
+
+def test_info_on_onnx_exports_reports_the_sources_parameters_and_what_the_logits_read(tied, tmp_path):
+    """The read-back of an int4 file once counted the logits' int4 copy as a second table and called the export untied:
+    info now reports the source's parameters and tying, the scheme, and what the logits MatMul reads."""
+    from quantgate.info import model_info
+    d, m = tied
+    quantize_onnx(d / "fp32", tmp_path / "int8", "int8-dynamic")
+    seen = {}
+    for name, path in (("fp32", d / "fp32"), ("int4", d / "int4"), ("int8", tmp_path / "int8")):
+        got = model_info(str(path))
+        assert got["params"] == m.num_params() and got["tied_embeddings"], (name, got["params"], m.num_params())
+        seen[name] = got["onnx"]
+    assert seen["fp32"]["scheme"] == "fp32" and "shared with the lookup" in seen["fp32"]["logits"]
+    assert seen["int4"]["scheme"] == "int4" and "one packed int4 table shared" in seen["int4"]["logits"]
+    assert seen["int8"]["scheme"] == "int8-dynamic" and "copy of the tied embedding table" in seen["int8"]["logits"]
+    assert seen["int4"]["bits_per_weight"] < seen["int8"]["bits_per_weight"] < seen["fp32"]["bits_per_weight"]
+    r = run_cli("info", str(d / "int4"))
+    assert r.returncode == 0 and "one packed int4 table" in r.stdout, r.stderr[-1500:]

@@ -95,3 +95,23 @@ def test_gate_aware_cells_keep_the_same_tensors_at_8_bits_on_torch_onnx_and_gguf
         kept[backend] = _kept_at_8_bits(backend, out)
     want = {i: {"q", "gate"} for i in range(m.cfg.n_layers)}
     assert kept == {"torch": want, "onnx": want, "gguf": want}, kept
+
+
+def test_the_keep_scope_names_gated_deltanet_layers_only_for_a_hybrid(tmp_path):
+    """`quantize --list` with a model says what each keep scope holds in that model; without one, the general rule."""
+    from conftest import save_tiny_twins
+    from quantgate.checkpoint import save_checkpoint
+    from quantgate.model import build_model, hybrid, preset
+    from quantgate.tokenizer import byte_tokenizer
+    d = save_tiny_twins(tmp_path)
+    save_checkpoint(build_model(hybrid(preset("tiny", vocab_size=300, n_layers=4, head_dim=32))), tmp_path / "h",
+                    byte_tokenizer())
+    words = {}
+    for name, args in (("none", []), ("dense", [str(d / "gated")]), ("hybrid", [str(tmp_path / "h")])):
+        r = run_cli("quantize", *args, "--list", "--json")
+        assert r.returncode == 0, r.stderr[-1000:]
+        words[name] = {row["keep"]["tensors"] for row in json.loads(r.stdout) if row["keep"]}
+    assert any("in a hybrid also every Gated DeltaNet" in w for w in words["none"])
+    assert not any("Gated DeltaNet" in w for w in words["dense"]) and words["dense"]
+    assert any(w.endswith(", and every Gated DeltaNet's output-gate projection (in_proj_z)") for w in words["hybrid"])
+    assert not any("in a hybrid" in w for w in words["hybrid"])

@@ -31,9 +31,18 @@ from ..errors import QuantgateError
 
 SCOPES = {  # scope -> the tensors it keeps, in words (the same on every backend that can express it)
     "gate": "the gate rows W_g only",
-    "q_and_gate": "the whole q|gate projection (q rows and gate rows); in a hybrid also every Gated DeltaNet's "
-                  "output-gate projection (in_proj_z)",
+    "q_and_gate": "the whole q|gate projection (q rows and gate rows)",
 }
+HYBRID_SCOPES = {"q_and_gate": "every Gated DeltaNet's output-gate projection (in_proj_z)"}  # a hybrid's too
+
+
+def scope_words(scope: str, hybrid: bool | None = None) -> str:
+    """What a keep scope keeps, in words, for a hybrid (True), a model without Gated DeltaNet layers (False), or no
+    model in view (None: the general rule, hybrids named)."""
+    words, extra = SCOPES[scope], HYBRID_SCOPES.get(scope)
+    if extra is None or hybrid is False:
+        return words
+    return f"{words}, and {extra}" if hybrid else f"{words}; in a hybrid also {extra}"
 
 
 @dataclass(frozen=True)
@@ -42,8 +51,8 @@ class KeepAt:
     bits: int
     scope: str
 
-    def describe(self) -> dict:
-        return {"bits": self.bits, "scope": self.scope, "tensors": SCOPES[self.scope]}
+    def describe(self, hybrid: bool | None = None) -> dict:
+        return {"bits": self.bits, "scope": self.scope, "tensors": scope_words(self.scope, hybrid)}
 
 
 # --- PyTorch simulation (fake-quantized weights and activations, evaluated by our runner) ---------------
@@ -344,13 +353,14 @@ def plain_of(scheme) -> str | None:
     return name if f"{scheme.backend}:{name}" in SCHEMES else None
 
 
-def describe(key: str) -> dict:
-    """One row of `quantgate quantize --list`: the scheme's settings in words and numbers."""
+def describe(key: str, hybrid: bool | None = None) -> dict:
+    """One row of `quantgate quantize --list`: the scheme's settings in words and numbers (`hybrid`: of the model in
+    view, which decides the keep scope's words; None: no model)."""
     s = SCHEMES[key]
     return {"key": key, "backend": s.backend, "name": s.name, **s.describe(),
-            "calibration": bool(s.needs_calibration), "keep": None if s.keep is None else s.keep.describe(),
+            "calibration": bool(s.needs_calibration), "keep": None if s.keep is None else s.keep.describe(hybrid),
             "gated_models_only": s.keep is not None}
 
 
-def listing(backend: str | None = None) -> list[dict]:
-    return [describe(k) for k in SCHEMES if backend is None or k.startswith(f"{backend}:")]
+def listing(backend: str | None = None, hybrid: bool | None = None) -> list[dict]:
+    return [describe(k, hybrid) for k in SCHEMES if backend is None or k.startswith(f"{backend}:")]

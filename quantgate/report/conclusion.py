@@ -11,7 +11,8 @@ import onnxruntime
 import torch
 
 from .. import __version__
-from ..quant import SCHEMES, SCOPES, plain_of
+from ..quant import SCHEMES, plain_of
+from ..quant.schemes import scope_words
 from ..stats import LEVEL, MIN_UNITS, NOT_RESOLVED, RESAMPLES, SEED, direction, holm
 from .compare import DISAGREE, compare_cells, link_reading, settle, sqnr_link
 from .settings import TWINS, ReportSettings, gated_only
@@ -86,8 +87,9 @@ def twin_comparisons(cells: dict) -> dict:
     return out
 
 
-def gate_aware_comparisons(cells: dict) -> dict:
-    """Each gate-aware cell of the gated twin against the same scheme without its override."""
+def gate_aware_comparisons(cells: dict, hybrid: bool | None = None) -> dict:
+    """Each gate-aware cell of the gated twin against the same scheme without its override; `hybrid`: whether the
+    gated twin has Gated DeltaNet layers (the scope's words name their in_proj_z only then)."""
     out = {}
     for key, a in cells.items():
         backend, twin, scheme = key.split("/")
@@ -96,7 +98,7 @@ def gate_aware_comparisons(cells: dict) -> dict:
             continue
         p = cells.get(f"{backend}/gated/{plain_of(sch)}")
         if p and "error" not in p and "error" not in a:
-            out[f"{backend}/{scheme}"] = {"plain": plain_of(sch), "scope": SCOPES[sch.keep.scope],
+            out[f"{backend}/{scheme}"] = {"plain": plain_of(sch), "scope": scope_words(sch.keep.scope, hybrid),
                                           "bits": sch.keep.bits, **compare_cells(a, p, ("gate-aware", "plain"))}
     return out
 
@@ -117,6 +119,13 @@ def twin_outlier_summary(analysis: dict) -> dict:
     return outliers
 
 
+def _is_hybrid(memory: dict | None) -> bool | None:
+    """Whether the gated twin has Gated DeltaNet layers (a fixed recurrent state), from its cache sizes."""
+    if not memory or "gated" not in memory:
+        return None
+    return bool(memory["gated"].get("recurrent_state_bytes"))
+
+
 def build_report(s: ReportSettings, analysis: dict, cells: dict, timings: dict, plot_files: list,
                  memory: dict | None = None) -> dict:
     """report.json's dict. memory: twin -> its cache sizes (quantgate.info.cache_bytes), for the memory sentence."""
@@ -133,7 +142,7 @@ def build_report(s: ReportSettings, analysis: dict, cells: dict, timings: dict, 
            "statistics": {"method": "paired percentile bootstrap", "level": LEVEL, "resamples": RESAMPLES,
                           "seed": SEED},
            "cells": {k: {kk: vv for kk, vv in v.items() if kk != "layer_sqnr_db"} for k, v in cells.items()},
-           "comparisons": twin_comparisons(cells), "gate_aware": gate_aware_comparisons(cells),
+           "comparisons": twin_comparisons(cells), "gate_aware": gate_aware_comparisons(cells, _is_hybrid(memory)),
            "failed_cells": cell_failures(cells),
            "outliers": twin_outlier_summary(analysis),
            "outlier_comparison": twin_outliers(analysis["baseline"], analysis["gated"]),

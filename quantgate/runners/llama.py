@@ -75,7 +75,8 @@ class LlamaRunner:
         self.kv_rotation = attn_rotation(self.info.head_dim, kv_type)
         self.name = name or f"llama.cpp:{self.path.name}"
         self.vocab_size = self.info.vocab_size
-        threads = threads or min(os.cpu_count() or 1, 8)
+        self.threads_default = not threads
+        threads = self.threads = threads or min(os.cpu_count() or 1, 8)
         parent, child = socket.socketpair()
         self._stderr = tempfile.TemporaryFile()
         cmd = [sys.executable, "-m", "quantgate.llama_worker", "run", str(child.fileno()), str(path), str(n_ctx),

@@ -58,6 +58,7 @@ class OrtRunner:
         del graph
         self.kv_bits = kv_bits
         opts = ort.SessionOptions()
+        self.threads = threads
         if threads:
             opts.intra_op_num_threads = threads
         opts.log_severity_level = 4  # failures surface as one QuantgateError, not as ORT log lines

@@ -336,3 +336,46 @@ def test_onnx_quantize_refuses_requantizing_and_overwriting(onnx_dirs, tmp_path)
     assert_one_line_error(run_cli("quantize", str(onnx_dirs / "good"), "--scheme", "int4", "--out",
                                   str(onnx_dirs / "good")), "is the input")
     assert dir_snapshot(onnx_dirs / "good") == before
+
+
+@pytest.fixture(scope="module")
+def short_external(onnx_dirs):
+    """The good export with its weights moved to model.onnx.data, one initializer's external-data length cut below
+    what its shape needs (the file itself long enough): the held-out sweep's case."""
+    import shutil
+
+    import onnx
+    d = onnx_dirs / "extshort"
+    shutil.copytree(onnx_dirs / "good", d)
+    m = onnx.load(str(d / "model.onnx"))
+    onnx.save(m, str(d / "model.onnx"), save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    m = onnx.load(str(d / "model.onnx"), load_external_data=False)
+    big = max((t for t in m.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL),
+              key=lambda t: int({e.key: e.value for e in t.external_data}["length"]))
+    for e in big.external_data:
+        if e.key == "length":
+            e.value = str(int(e.value) // 2)
+    onnx.save(m, str(d / "model.onnx"))
+    return d
+
+
+@pytest.mark.parametrize("verb", ["info", "export gguf", "quantize int4", "quantize int8-weight", "eval"])
+def test_external_data_shorter_than_its_shape_gives_one_line(short_external, onnx_dirs, tmp_path, verb):
+    out = tmp_path / "out"
+    args = {"info": ["info", str(short_external)],
+            "export gguf": ["export", "gguf", str(short_external), "--out", str(out)],
+            "quantize int4": ["quantize", str(short_external), "--scheme", "int4", "--out", str(out)],
+            "quantize int8-weight": ["quantize", str(short_external), "--scheme", "int8-weight", "--out", str(out)],
+            "eval": ["eval", str(short_external), "--data", str(onnx_dirs / "text.txt"), "--ctx", "32"]}[verb]
+    assert_one_line_error(run_cli(*args), "needs", "bytes, and its external data in model.onnx.data holds")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("verb", ["eval", "analyze"])
+@pytest.mark.parametrize("kind", ["gguf", "onnx"])
+def test_layerwise_on_an_export_is_refused_not_ignored(gguf_files, onnx_dirs, verb, kind):
+    src = str(gguf_files / "elementwise.gguf") if kind == "gguf" else str(onnx_dirs / "good")
+    text = str(gguf_files / "text.txt")
+    args = ["eval", src, "--data", text, "--ctx", "32"] if verb == "eval" else \
+        ["analyze", src, "--data", text, "--ctx", "32", "--windows", "2"]
+    assert_one_line_error(run_cli(*args, "--layerwise"), "--layerwise runs a model directory", "drop --layerwise")
