@@ -17,7 +17,7 @@ from .errors import QuantgateError
 from .formats import artifact_kind, load_checkpoint
 from .formats.hf import open_hf
 from .layerwise import LayerwiseModel, check_layerwise_applies, needs_layerwise
-from .fsio import atomic_file, check_output, claim_folder, write_json
+from .fsio import atomic_file, check_output, staged_into, write_json
 from .gate_survival import check_gate_survival
 from .info import param_count
 from .outliers import analyze_layerwise, analyze_model
@@ -76,12 +76,18 @@ def save_figure(fig, path: Path) -> Path:
 
 
 def plot_reports(reports: dict[str, dict], out_dir: str | Path) -> list[Path]:
-    """max |h| per layer (log axis), BOS-attention heatmaps (layer x head), gate histograms."""
+    """The plots of render_plots in `out_dir`, written whole or not at all (fsio.staged_into)."""
+    with staged_into(out_dir, "plots") as stage:
+        names = [p.name for p in render_plots(reports, stage)]
+    return [Path(out_dir) / n for n in names]
+
+
+def render_plots(reports: dict[str, dict], out_dir: Path) -> list[Path]:
+    """max |h| per layer (log axis), BOS-attention heatmaps (layer x head), gate histograms, into `out_dir`."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out_dir = claim_folder(out_dir, "plots")
     paths = []
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name, rep in reports.items():
@@ -150,8 +156,20 @@ def run_analyze(model: str, data: str, ctx: int, n_windows: int, split: str, see
     result = {"reports": reports}
     if gate_survival is not None:
         result["gate_survival"] = gate_survival
-    if json_out:
-        write_json(json_out, result, kind="analysis")
-    if plots:
-        result["plots"] = [str(p) for p in plot_reports(reports, plots)]
+    if not plots:
+        if json_out:
+            write_json(json_out, result, kind="analysis")
+        return result
+    # the JSON is written while the plots wait in their staging folder: a failure of either keeps neither
+    json_new = bool(json_out) and not Path(json_out).exists()
+    try:
+        with staged_into(plots, "plots") as stage:
+            names = [p.name for p in render_plots(reports, stage)]
+            if json_out:
+                write_json(json_out, result, kind="analysis")
+    except BaseException:
+        if json_new and Path(json_out).is_file():
+            Path(json_out).unlink()  # written by this run a moment ago
+        raise
+    result["plots"] = [str(Path(plots) / n) for n in names]
     return result

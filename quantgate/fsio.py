@@ -617,6 +617,38 @@ def atomic_dir(path: Path | str, kind: str | None = None) -> Iterator[Path]:
         _reraise(e, path)
 
 
+@contextlib.contextmanager
+def staged_into(folder: Path | str, kind: str) -> Iterator[Path]:
+    """Files written into a temporary folder beside `folder`, moved into it (a quantgate container of `kind`, created
+    and marked when new) only once every one is written: a failure (a full disk half way through a set of plots)
+    leaves `folder` as it was, and removes it when this call created it."""
+    folder = Path(folder)
+    created = _make_parents(folder)
+    parent = folder.parent if str(folder.parent) else Path(".")
+    try:
+        stage = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=parent))
+    except OSError as e:
+        _remove_created(created)
+        raise QuantgateError(f"cannot write into {parent}: {e.strerror}") from None
+    new = not os.path.lexists(folder)
+    try:
+        yield stage
+        _refuse_if_interrupted()
+        claim_folder(folder, kind)
+        with signals_held():
+            for f in sorted(stage.iterdir()):
+                os.replace(f, folder / f.name)
+                _record(folder / f.name)
+    except BaseException as e:
+        with signals_held():
+            shutil.rmtree(stage, ignore_errors=True)
+            if new:
+                shutil.rmtree(folder, ignore_errors=True)  # created by this call: nothing of it is kept
+            _remove_created(created)
+        _reraise(e, folder)
+    shutil.rmtree(stage, ignore_errors=True)
+
+
 def strict_json(obj):
     """`obj` with every non-finite float (NaN, +-Inf: a kurtosis of a constant input, a ratio over zero) as None, so
     the JSON written is strict (Python writes a bare NaN, which other parsers reject)."""

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random HF checkpoints, a byte tokenizer, and paths to ../shared data."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -200,3 +201,16 @@ def save_random_models(d: Path, models: dict) -> Path:
         randomize_(m, 5)
         save_checkpoint(m, d / name, byte_tokenizer())
     return d
+
+
+@contextlib.contextmanager
+def small_filesystem(where, size: str):
+    """A real tmpfs of `size` mounted at `where` (root only): a disk that really fills."""
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()[:80]}): needs root")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)

@@ -3,14 +3,12 @@ stored, its logits recomputed from its own head on access; the cache is capped a
 cannot hold is refused in one line, and a disk that fills while it is written leaves nothing."""
 from __future__ import annotations
 
-import contextlib
 import json
-import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import randomize_, run_cli, save_tiny_twins
+from conftest import randomize_, run_cli, save_tiny_twins, small_filesystem
 from quantgate.checkpoint import load_checkpoint, save_checkpoint
 from quantgate.errors import QuantgateError
 from quantgate.evaluate import compare_to_reference
@@ -108,19 +106,6 @@ def test_a_reference_the_disk_cannot_hold_is_refused_before_it_runs(models, tmp_
     with pytest.raises(QuantgateError, match="disk has 0.00 GB free.*--max-windows"):
         reference_logits(str(path), WINDOWS, "test")
     assert not any((tmp_path / "cache").glob("*"))
-
-
-@contextlib.contextmanager
-def small_filesystem(where, size: str):
-    """A real tmpfs of `size` mounted at `where` (root only): a disk that really fills."""
-    where.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()[:80]}): needs root")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", str(where)], check=True)
 
 
 def test_a_disk_that_fills_while_the_reference_is_written_leaves_nothing(models, tmp_path, monkeypatch):

@@ -234,6 +234,9 @@ class TensorSource:
             self.files = {}
             for f in files:
                 for name in self._open(f).keys():
+                    if name in self.files:  # which copy wins would be the glob's order: refused, as transformers does
+                        raise QuantgateError(f"{path}: tensor {name} is in both {self.files[name].name} and {f.name}, "
+                                             f"and no model.safetensors.index.json says which to read")
                     self.files[name] = f
 
     def _open(self, f: Path):
@@ -242,6 +245,12 @@ class TensorSource:
                 raise QuantgateError(f"{f}: shard named in the index is missing")
             try:
                 self._handles[f] = safe_open(str(f), framework="pt")
+            except RuntimeError as e:  # safetensors maps the whole file: an address-space limit refuses the map
+                if "mmap" not in str(e):
+                    raise QuantgateError(f"{f}: cannot open ({str(e)[:100]})") from None
+                raise QuantgateError(f"{f}: cannot map its {f.stat().st_size / 1e9:.1f} GB into this process's address "
+                                     f"space ({str(e).rsplit(':', 1)[-1].strip()[:60]}; is `ulimit -v` set?); "
+                                     f"raise the limit or shard the file") from None
             except (SafetensorError, OSError, ValueError) as e:
                 raise QuantgateError(f"{f}: corrupt or truncated safetensors ({str(e)[:100]})") from None
         return self._handles[f]

@@ -63,3 +63,20 @@ def test_full_disk_gives_one_line_and_no_debris(work, tmp_path, verb):
     left = [p for p in out.rglob("*") if p.name.endswith((".tmp", ".old")) or p.suffix in (".gguf", ".onnx")]
     assert left == [] and not (out / "q").exists() and not (out / "onnx").exists()
     assert tree_snapshot(work) == before
+
+
+@pytest.mark.parametrize("size", ["64k", "112k"])  # the disk fills in the plots / at the JSON after them
+def test_analyze_json_and_plots_on_a_disk_that_fills_keep_neither(work, tmp_path, size):
+    """A real small filesystem (tmpfs): the plots wait in a staging folder and the JSON is written before they are
+    moved in, so a full disk at any point leaves neither (the sweep found the JSON and half a plots folder)."""
+    from conftest import small_filesystem
+    with small_filesystem(tmp_path / "small", size) as fs:
+        env = {**os.environ, "QUANTGATE_PROGRESS": "0"}
+        r = subprocess.run([sys.executable, "-m", "quantgate.cli", "analyze", str(work / "gated"), "--compare",
+                            str(work / "baseline"), "--data", str(work / "text.txt"), "--ctx", "32", "--windows", "4",
+                            "--json", str(fs / "a.json"), "--plots", str(fs / "plots")],
+                           capture_output=True, text=True, cwd=tempfile.gettempdir(), env=env, timeout=600)
+        lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert lines[-1].startswith("error: ") and "nothing was kept" in lines[-1], lines
+        assert list(fs.iterdir()) == [], sorted(p.name for p in fs.iterdir())

@@ -379,3 +379,54 @@ def test_layerwise_on_an_export_is_refused_not_ignored(gguf_files, onnx_dirs, ve
     args = ["eval", src, "--data", text, "--ctx", "32"] if verb == "eval" else \
         ["analyze", src, "--data", text, "--ctx", "32", "--windows", "2"]
     assert_one_line_error(run_cli(*args, "--layerwise"), "--layerwise runs a model directory", "drop --layerwise")
+
+
+@pytest.mark.parametrize("verb", ["info", "eval", "export gguf"])
+def test_a_tensor_in_two_unindexed_safetensors_files_is_refused(good_model, tmp_path, verb):
+    """Without an index, which copy would win is the file order: refused (transformers 5 refuses such a folder)."""
+    sd = load_file(str(good_model / "model.safetensors"))
+    name = next(k for k in sd if k.endswith("q_proj.weight"))
+    save_file({name: sd[name] * 2}, str(good_model / "model-extra.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "t.txt").write_text("hello world " * 300)
+    out = tmp_path / "x.gguf"
+    args = {"info": ["info", str(good_model)],
+            "eval": ["eval", str(good_model), "--data", str(tmp_path / "t.txt"), "--ctx", "32"],
+            "export gguf": ["export", "gguf", str(good_model), "--out", str(out)]}[verb]
+    assert_one_line_error(run_cli(*args), f"tensor {name} is in both", "no model.safetensors.index.json")
+    assert not out.exists()
+
+
+def test_a_weights_file_the_address_space_cannot_map_gives_one_line(tmp_path):
+    """safetensors maps the whole file; under an address-space limit (ulimit -v) the map fails: one line, not
+    safetensors' RuntimeError. The 5 GB file is sparse (no disk used)."""
+    import os
+    import resource
+    import struct
+    import subprocess
+    import sys
+    import tempfile
+    src = tmp_path / "src"
+    from quantgate.checkpoint import save_checkpoint
+    from quantgate.model import build_model, preset
+    save_checkpoint(build_model(preset("tiny", vocab_size=300)), src, byte_tokenizer())
+    d = tmp_path / "big"
+    d.mkdir()
+    for f in ("config.json", "tokenizer.json"):
+        (d / f).write_bytes((src / f).read_bytes())
+    n = 5 * (1 << 30) // 4
+    hdr = json.dumps({"model.embed_tokens.weight": {"dtype": "F32", "shape": [n // 256, 256],
+                                                    "data_offsets": [0, n * 4]}}).encode()
+    hdr += b" " * (-len(hdr) % 8)
+    with open(d / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(hdr)) + hdr)
+        f.truncate(8 + len(hdr) + n * 4)
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+    r = subprocess.run([sys.executable, "-m", "quantgate.cli", "info", str(d)], capture_output=True, text=True,
+                       cwd=tempfile.gettempdir(), env={**os.environ, "QUANTGATE_PROGRESS": "0"}, preexec_fn=limited,
+                       timeout=300)
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-1500:]
+    assert "cannot map its 5.4 GB into this process's address space" in lines[0], lines
