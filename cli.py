@@ -669,7 +669,10 @@ def report(models, data, backends, schemes, windows, ctx, calib_windows, threads
 @click.option("--lab", type=click.Choice(["sinks"]), default=None,
               help="sinks: twins on a synthetic Bigram-Backcopy corpus (Guo et al. 2024) on which small models grow "
                    "attention sinks, several seeds, then the same analysis and report across seeds (torch schemes)")
-@click.option("--seeds", type=click.IntRange(1, 20), default=3, show_default=True, help="twin pairs the lab trains")
+@click.option("--seeds", type=click.IntRange(1, 20), default=None,
+              help="twin pairs to train, seeds 0..N-1 (default: 1 for the demo, 3 for the lab); with more than one, "
+                   "the report's verdicts are stated across the pairs, so they carry the variation between training "
+                   "runs (a one-pair verdict says it is about that pair)")
 def demo(out, fast, gate, threads, lab, seeds):
     """Train baseline and gated twins on the embedded corpus, evaluate them on held-out text, analyse their
     outliers side by side (analysis.json, plots/), export and quantize both on every backend and write the
@@ -679,9 +682,9 @@ def demo(out, fast, gate, threads, lab, seeds):
     if lab:
         if fast:
             raise QuantgateError("--fast and --lab are separate demos; choose one")
-        run_lab(out, lab, gate=gate, threads=threads, seeds=seeds)
+        run_lab(out, lab, gate=gate, threads=threads, seeds=seeds or 3)
         return
-    run_demo(out, fast=fast, gate=gate, threads=threads)
+    run_demo(out, fast=fast, gate=gate, threads=threads, seeds=seeds or 1)
 
 
 if __name__ == "__main__":

@@ -149,20 +149,26 @@ def train_stage(out: Path, tc: TrainConfig, gate: str) -> dict[str, Path]:
 
 
 def run_demo(out: str | Path, fast: bool = False, gate: str = "elementwise", threads: int | None = None,
-             eval_windows: int | None = None) -> dict:
+             eval_windows: int | None = None, seeds: int = 1) -> dict:
+    """The demo (see `quantgate demo --help`). With `seeds` > 1, that many twin pairs are trained (OUT/seed-K/, seed
+    K) and the report states its verdicts across them (quantgate.report.seeds), so they carry the variation between
+    training runs; the perplexity table, the analysis and the generated sample are of the seed-0 pair."""
     out = Path(out)
     check_output(out, "demo")
     recipe = dict(DEMO_RECIPES["fast" if fast else "full"])
     # Eager training: torch.compile's gain (benchmarks/results/train_throughput.json, ratio_ours_compiled_over_ours)
     # does not pay for its compiling time and its C-compiler requirement at this size.
-    tc = TrainConfig(twins=True, gate=gate, data="embedded", threads=threads,
-                     ckpt_every=50 if fast else 200, **recipe)
     stages = {}
     t = time.time()
     claim_folder(out, "demo")
-    models = train_stage(out, tc, gate)
+    pairs = []
+    for k in range(seeds):
+        tc = TrainConfig(twins=True, gate=gate, data="embedded", threads=threads, seed=k,
+                         ckpt_every=50 if fast else 200, **recipe)
+        pairs.append(train_stage(out if seeds == 1 else out / f"seed-{k}", tc, gate))
+    models = pairs[0]
     stages["train_s"] = round(time.time() - t, 1)
-    console.print(f"train: {stages['train_s']:.0f} s")
+    console.print(f"train: {stages['train_s']:.0f} s" + (f" for {seeds} twin pairs" if seeds > 1 else ""))
 
     t = time.time()
     n_windows = eval_windows or (FAST_WINDOWS if fast else DEMO_EVAL_WINDOWS)
@@ -191,17 +197,23 @@ def run_demo(out: str | Path, fast: bool = False, gate: str = "elementwise", thr
     console.print(f"analyze: {stages['analyze_s']:.0f} s, plots in {out / 'plots'}")
     t = time.time()
     note = recipe_note("fast" if fast else "full", recipe)
-    rep = run_report(ReportSettings(str(models["baseline"]), str(models["gated"]), str(out / "report"),
-                                    schemes={k: list(v) for k, v in DEMO_SCHEMES.items()},
-                                    windows=FAST_WINDOWS if fast else DEMO_WINDOWS, ctx=tc.ctx, calib_windows=8 if fast else 16,
-                                    analysis_windows=16 if fast else 32, threads=threads, recipe_note=note))
+    settings = ReportSettings(str(models["baseline"]), str(models["gated"]), str(out / "report"),
+                              schemes={k: list(v) for k, v in DEMO_SCHEMES.items()},
+                              windows=FAST_WINDOWS if fast else DEMO_WINDOWS, ctx=tc.ctx, calib_windows=8 if fast else 16,
+                              analysis_windows=16 if fast else 32, threads=threads, recipe_note=note)
+    if seeds == 1:
+        rep = run_report(settings)
+        cells = rep["cells"]
+    else:
+        rep = run_seeds_report([(str(m["baseline"]), str(m["gated"])) for m in pairs], settings)
+        cells = json.loads((out / "report" / "seed-0" / "report.json").read_text())["cells"]
     stages["report_s"] = round(time.time() - t, 1)
     for line in rep["conclusion"]:
         console.print(f"- {line}", markup=False, highlight=False)
     console.print(f"report: {stages['report_s']:.0f} s, {out / 'report' / 'report.html'}")
 
     t = time.time()
-    gguf = Path(rep["cells"].get("gguf/gated/Q4_K_M", {}).get("artifact", ""))
+    gguf = Path(cells.get("gguf/gated/Q4_K_M", {}).get("artifact", ""))
     sample = None
     if gguf.is_file():
         console.print(f"[bold]generate[/] from {gguf.name}, prompt {DEMO_PROMPT!r}:")
@@ -212,7 +224,8 @@ def run_demo(out: str | Path, fast: bool = False, gate: str = "elementwise", thr
         console.print(f"prefill {res.prefill_tps:.0f} tok/s, decode {res.decode_tps:.0f} tok/s", markup=False)
         sample = res.to_dict()
     stages["generate_s"] = round(time.time() - t, 1)
-    summary = {"recipe": recipe, "recipe_note": note, "gate": gate, "eval": evals, "stage_seconds": stages,
+    summary = {"recipe": recipe, "recipe_note": note, "gate": gate, "seeds": seeds, "eval": evals,
+               "stage_seconds": stages,
                "analysis": str(out / "analysis.json"), "plots": result["plots"],
                "report": str(out / "report" / "report.html"), "generation": sample}
     write_json(out / "summary.json", summary)

@@ -22,7 +22,7 @@ from .layerwise import LayerwiseRunner, check_layerwise_applies, iter_logits, ne
 from .formats.onnx import check_finite_initializers, onnx_context
 from .formats.onnx_io import onnx_bytes, read_meta, resolve_onnx
 from .metrics import kld_summary, layer_sqnr, token_nll, window_scores
-from .progress import console, track
+from .progress import track
 from .reference import REFERENCE_WINDOWS, reference_logits
 from .stats import cell_intervals
 from .runners import LlamaRunner, OrtRunner, Runner, TorchRunner
@@ -157,7 +157,7 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
     runner, tok, backend, extra = open_model(model_path, device, torchao, kv_type, ctx, threads, layerwise)
     try:
         stream = tokenize_corpus(corpus, tok)
-        max_windows = reference_window_count(reference, max_windows, len(stream.ids), ctx)
+        max_windows, note = reference_window_count(reference, max_windows, len(stream.ids), ctx)
         windows = eval_windows(stream.ids, ctx, tok.bos_id, max_windows)
         out = {"model": str(model_path), "backend": backend, "device": device, "data": str(data), "split": split,
                "corpus_fingerprint": corpus.fingerprint}
@@ -177,7 +177,8 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
         sample = corpus.documents[0].text[:20000]
         if ref_tok is not None and not tokenizers_match(ref_tok, tok, sample):
             raise QuantgateError(f"{reference} and {model_path} use different tokenizers: their logits do not compare")
-        ref_logits = reference_logits(reference, windows, f"{corpus.fingerprint}|{split}|{ctx}")
+        # the note is said once every input, the disk included, is checked: a refused run prints one error line only
+        ref_logits = reference_logits(reference, windows, f"{corpus.fingerprint}|{split}|{ctx}", announce=note)
         docs = window_documents(stream, ctx, max_windows)
         result = {**out, "reference": str(reference), **compare_to_reference(runner, ref_logits, windows, docs=docs)}
     finally:
@@ -192,17 +193,17 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
     return result
 
 
-def reference_window_count(reference: str | None, max_windows: int | None, n_tokens: int, ctx: int) -> int | None:
+def reference_window_count(reference: str | None, max_windows: int | None, n_tokens: int,
+                           ctx: int) -> tuple[int | None, str | None]:
     """With a reference and no --max-windows: REFERENCE_WINDOWS windows spread evenly over the text (the report's
-    count; every window of a long text costs the reference's pass and its stored states), said in one line."""
+    count; every window of a long text costs the reference's pass and its stored states), and the line saying so."""
     if reference is None or max_windows is not None:
-        return max_windows
+        return max_windows, None
     n = n_tokens // max(ctx - 1, 1)
     if n > REFERENCE_WINDOWS:
-        console.print(f"eval: {REFERENCE_WINDOWS} of the text's {n:,} windows, spread evenly (the report's count); "
-                      f"--max-windows {n} scores every one", markup=False, highlight=False)
-        return REFERENCE_WINDOWS
-    return None
+        return REFERENCE_WINDOWS, (f"eval: {REFERENCE_WINDOWS} of the text's {n:,} windows, spread evenly (the "
+                                   f"report's count); --max-windows {n} scores every one")
+    return None, None
 
 
 def reference_header(reference: str):

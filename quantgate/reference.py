@@ -29,7 +29,7 @@ from .formats.hf import open_hf
 from .fsio import atomic_path
 from .identity import code_id, content_id, key
 from .layerwise import LayerwiseRunner, needs_layerwise, sliced_head
-from .progress import track
+from .progress import console, track
 from .runners import TorchRunner
 
 REFERENCE_WINDOWS = 64  # eval --reference's default window count: the report's (quantgate.report.settings)
@@ -104,20 +104,24 @@ def stored_size(n_windows: int, ctx: int, dim: int) -> int:
     return n_windows * ctx * dim * 4 + 128
 
 
-def reference_logits(ref_path: str, windows: np.ndarray, data_key: str, batch: int = 4) -> ReferenceLogits:
+def reference_logits(ref_path: str, windows: np.ndarray, data_key: str, batch: int = 4,
+                     announce: str | None = None) -> ReferenceLogits:
     """The fp32 logits of the reference `ref_path` on `windows` (see the module docstring): its hidden states are
     computed once and cached under a key of the reference's contents, the windows' tokens and the code
-    (quantgate.identity); the output head is read from the reference each time."""
+    (quantgate.identity); the output head is read from the reference each time. `announce`: a line printed once
+    the cache is found or room for it is made (after every refusal)."""
     k = key("ref-hidden", content_id(ref_path), code_id(), data_key, list(windows.shape),
             hashlib.sha256(windows.tobytes()).hexdigest())
     path = cache_dir() / f"ref-hidden-{k}.npy"
     hidden = _cached(path, windows)
     if hidden is not None:
+        _say(announce)
         return ReferenceLogits(hidden, reference_head(ref_path), path)
     runner = _reference_runner(ref_path)
     cfg = runner.lw.cfg if isinstance(runner, LayerwiseRunner) else runner.model.cfg
     need = stored_size(len(windows), windows.shape[1], cfg.dim)
     make_room(path.parent, need)
+    _say(announce)
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(np.dtype("<f4")),
                                                  "fortran_order": False, "shape": (*windows.shape, cfg.dim)})
@@ -134,6 +138,11 @@ def reference_logits(ref_path: str, windows: np.ndarray, data_key: str, batch: i
         not _head_from_file(ref_path) else reference_head(ref_path)
     del runner
     return ReferenceLogits(np.load(path, mmap_mode="r"), head, path)
+
+
+def _say(line: str | None) -> None:
+    if line:
+        console.print(line, markup=False, highlight=False)
 
 
 def _cached(path: Path, windows: np.ndarray) -> np.ndarray | None:

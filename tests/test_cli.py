@@ -62,6 +62,8 @@ def test_demo_fast_trains_and_evaluates_twins(tmp_path):
     rep = json.loads((out / "report" / "report.json").read_text())
     assert {"torch/gated/w4a16-g32", "onnx/gated/int4", "gguf/gated/Q4_K_M"} <= set(rep["cells"])
     assert summary["generation"]["new_tokens"] > 0 and summary["generation"]["backend"].startswith("llama.cpp")
+    # the sample is shown after its prompt, so it does not start mid-line
+    assert f"prompt 'def ':\ndef {summary['generation']['text'][:20]}" in r.stderr
     trained = rep["training"]["gated"]  # the report says how the twins were trained, and why
     assert trained["steps"] == summary["recipe"]["steps"] and trained["lr"] == summary["recipe"]["lr"]
     md = (out / "report" / "report.md").read_text()
@@ -69,3 +71,21 @@ def test_demo_fast_trains_and_evaluates_twins(tmp_path):
     again = run_cli("demo", "--fast", "--out", str(out), timeout=900)  # finished stages are reused
     assert again.returncode == 0 and "reusing" in again.stderr
     assert json.loads((out / "summary.json").read_text())["eval"] == summary["eval"]
+
+
+@pytest.mark.slow
+def test_demo_with_seeds_states_its_verdicts_across_the_pairs(tmp_path):
+    out = tmp_path / "demo"
+    r = run_cli("demo", "--fast", "--seeds", "2", "--out", str(out), timeout=1500)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["seeds"] == 2 and summary["generation"]["new_tokens"] > 0
+    for k in (0, 1):
+        assert (out / f"seed-{k}" / "gated" / "config.json").is_file()
+        assert (out / "report" / f"seed-{k}" / "report.json").is_file()
+    rep = json.loads((out / "report" / "report.json").read_text())
+    assert len(rep["seeds"]) == 2 and rep["aggregate"] and rep["conclusion"]
+    b0 = json.loads((out / "seed-0" / "gated" / "config.json").read_text())
+    b1 = json.loads((out / "seed-1" / "gated" / "config.json").read_text())
+    assert b0 != b1 or (out / "seed-0" / "gated" / "model.safetensors").read_bytes() != \
+        (out / "seed-1" / "gated" / "model.safetensors").read_bytes()  # two trainings, not one copied

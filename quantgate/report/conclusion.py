@@ -16,7 +16,7 @@ from ..quant.schemes import scope_words
 from ..stats import LEVEL, MIN_UNITS, NOT_RESOLVED, RESAMPLES, SEED, direction, holm
 from .compare import DISAGREE, compare_cells, link_reading, settle, sqnr_link
 from .settings import TWINS, ReportSettings, gated_only
-from .sinks import massive_summary, outlier_sentences, settle_outlier, sink_summary, twin_outliers
+from .sinks import ONE_PAIR, massive_summary, outlier_sentences, settle_outlier, sink_summary, twin_outliers
 
 
 def layer_inputs(linear_inputs: dict, layer: int, kind: str = "full_attention") -> dict:
@@ -228,6 +228,8 @@ def comparison_line(name: str, c: dict, a: dict, b: dict) -> str:
         which = "KLD" if c["kld_verdict"] != NOT_RESOLVED else "delta perplexity"
         other = "delta perplexity" if which == "KLD" else "KLD"
         reading = f"the {v} twin loses less by {which}; {other} does not resolve a difference"
+    if v != NOT_RESOLVED:
+        reading += ONE_PAIR
     unpaired = "" if c.get("paired", True) else "; unpaired: the two models were scored on different windows"
     rot = {t: x.get("kv_rotation") for t, x in (("gated", a), ("baseline", b)) if x.get("kv_rotation")}
     if rot and "not quantized" not in " ".join(rot.values()):

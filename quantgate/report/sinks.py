@@ -145,6 +145,15 @@ def sink_sentence(name: str, s: dict | None) -> str:
     return f"{name}: {s['sink_heads']} of {s['heads']} heads sink{which}; {worst}{over}"
 
 
+ONE_PAIR = " (this trained pair of checkpoints; another training run may differ: `--seeds` for that)"
+
+
+def pair_verdict(verdict: str) -> str:
+    """A verdict about one pair of checkpoints, saying so when it names a side (the intervals resample held-out
+    text, not training runs: independently trained pairs can disagree, as two runs of the demo did)."""
+    return "not resolved" if verdict == NOT_RESOLVED else f"{verdict}{ONE_PAIR}"
+
+
 def outlier_sentences(outliers: dict, comparison: dict) -> list[str]:
     """The conclusion's lines on massive activations and sinks."""
     b, g = outliers["baseline"], outliers["gated"]
@@ -156,7 +165,7 @@ def outlier_sentences(outliers: dict, comparison: dict) -> list[str]:
                f"vs {mg['window_max_mean']:.1f}{_ci(mg['window_max_ci95'], '.1f')}")
     r = comparison.get("max_abs_ratio")
     ratio = (f", baseline/gated {r['point']:.2f}{_ci(r['ci95'], '.2f')}: "
-             f"{'not resolved' if r['verdict'] == NOT_RESOLVED else r['verdict']}") if r else ""
+             f"{pair_verdict(r['verdict'])}") if r else ""
     massive = {t: (f"layers {o['massive']['massive_layers']}" if o["massive"]["massive_layers"] else "none")
                for t, o in outliers.items()}
     lines.append(f"Largest residual activation: baseline {mb['max_abs']:.1f} (layer {mb['layer']}, "
@@ -171,10 +180,10 @@ def outlier_sentences(outliers: dict, comparison: dict) -> list[str]:
                  f"have no attention to read)") if h else ""
         d = comparison.get("worst_bos_diff")
         diff = (f" Worst-head share, baseline minus gated: {d['point']:+.3f}{_ci(d['ci95'])}: "
-                f"{'not resolved' if d['verdict'] == NOT_RESOLVED else d['verdict']}.") if d else ""
+                f"{pair_verdict(d['verdict'])}.") if d else ""
         n = comparison.get("worst_bos_nontrigger_diff")
         diff += (f" Over non-trigger queries: {n['point']:+.3f}{_ci(n['ci95'])}: "
-                 f"{'not resolved' if n['verdict'] == NOT_RESOLVED else n['verdict']}.") if n else ""
+                 f"{pair_verdict(n['verdict'])}.") if n else ""
         lines.append(f"Attention sinks (a head whose mean attention on BOS exceeds {ref['epsilon']}, Gu et al. 2024; "
                      f"uniform attention gives {ref['uniform']:.3f}){where}: {sink_sentence('baseline', sb)}; "
                      f"{sink_sentence('gated', sg)}.{diff}")
