@@ -95,8 +95,19 @@ def keep(out: Path, dest: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", default=None, help="parent of the runs' folders (removed afterwards)")
+    ap.add_argument("--log-only", type=int, default=None, metavar="THREADS",
+                    help="one run with THREADS threads for its log alone: results/demo_log.json and "
+                         "logs/demo_log.log (the gaps between lines); nothing else is kept")
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    if args.log_only:
+        with tempfile.TemporaryDirectory(prefix="quantgate-demo-log-", dir=args.work) as tmp:
+            r = run_demo(Path(tmp) / "demo", args.log_only, RESULTS / "logs" / "demo_log.log")
+        (RESULTS / "demo_log.json").write_text(json.dumps({"command": f"python benchmarks/demo_twice.py --log-only "
+                                                                      f"{args.log_only}", "commit": commit, **r},
+                                                          indent=1) + "\n")
+        print(json.dumps(r))
+        return
     runs = {}
     with tempfile.TemporaryDirectory(prefix="quantgate-demo-twice-", dir=args.work) as tmp:
         for threads in (1, 2):

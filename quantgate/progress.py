@@ -4,6 +4,7 @@ bar is active: each active bar's stage, done/total, its fields (loss, tok/s), ra
 QUANTGATE_PROGRESS=0 turns both off (the tests and CI)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -52,6 +53,8 @@ def _duration(seconds: float | None) -> str:
 
 def task_line(task) -> str:
     """One rich task as a plain line: stage, done/total, its text fields, rate, elapsed and time left."""
+    if task.total is None and not task.completed:  # a stage: its name and time
+        return f"{task.description}: {_duration(task.elapsed)} elapsed"
     done = f"{task.completed:,.0f}/{task.total:,.0f}" if task.total else f"{task.completed:,.0f}"
     fields = "".join(f", {v} tok/s" if k == "tps" else f", {k} {v}" for k, v in task.fields.items()
                      if isinstance(v, str) and v not in ("", "-"))
@@ -61,8 +64,8 @@ def task_line(task) -> str:
 
 
 class _PlainReporter:
-    """A daemon thread that prints the active bars as one plain line every PLAIN_EVERY seconds (the first after
-    PLAIN_EVERY, so short work prints nothing); the bars' own progress objects hold the numbers."""
+    """A daemon thread that prints the active bars as one plain line whenever PLAIN_EVERY seconds have passed since
+    its last line (or the start), so short work prints nothing; the bars' own progress objects hold the numbers."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -71,9 +74,7 @@ class _PlainReporter:
         self.last = time.monotonic()
 
     def add(self, progress: Progress) -> None:
-        with self.lock:
-            if not self.active:
-                self.last = time.monotonic()
+        with self.lock:  # `last` stays the time of the last line: a bar that starts after a silence speaks soon
             self.active.append(progress)
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="quantgate-progress", daemon=True)
@@ -150,6 +151,28 @@ def track(iterable, description: str, total: int | None = None, memory: bool = F
         try:
             yield from _advancing(p, p.add_task(description, total=total), iterable)
         finally:
+            _ACTIVE.pop()
+
+
+@contextlib.contextmanager
+def stage(description: str):
+    """A step with no count of its own (one report cell: an export, a quantization, its scoring), shown as a bar
+    without a total; in a log its line names the step and the time it has taken, so a long step is never silent."""
+    if _ACTIVE:
+        p = _ACTIVE[-1]
+        task = p.add_task(description, total=None)
+        try:
+            yield
+        finally:
+            p.remove_task(task)
+        return
+    with make_progress() as p:
+        _ACTIVE.append(p)
+        task = p.add_task(description, total=None)
+        try:
+            yield
+        finally:
+            p.remove_task(task)
             _ACTIVE.pop()
 
 

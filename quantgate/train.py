@@ -30,7 +30,7 @@ from .errors import QuantgateError
 from .formats import save_checkpoint
 from .fsio import atomic_file, check_output, claim_folder, read_marker, write_json
 from .model import GATE_MODES, Model, build_model, hybrid, make_twins, preset
-from .progress import make_progress
+from .progress import make_progress, stage
 from .runners import torch_device
 from .tokenizer import Tokenizer, byte_tokenizer, load_tokenizer, symbol_tokenizer, train_bpe
 
@@ -236,20 +236,21 @@ def train(tc: TrainConfig, out: str | Path, resume: bool = False) -> dict[str, P
         check_output(out / role, "checkpoint", inputs, flag="--out (its model folder)")
     torch.manual_seed(tc.seed)
 
-    corpus = load_corpus(tc.data, tc.max_chars)
-    train_split = corpus.split("train")
-    if not train_split.documents:
-        raise QuantgateError(f"{tc.data}: the training split is empty (corpus too small)")
-    if di.main:
-        claim_folder(out, (read_marker(out) or {}).get("artifact", "run"))  # a demo folder stays a demo folder
-        tok = prepare_tokenizer(tc, state_dir, lambda: (d.text for d in train_split.documents))
-    if di.world > 1:
-        dist.barrier()
-        if not di.main:
-            tok = load_tokenizer(state_dir)
-    stream = tokenize_corpus(train_split, tok)
+    with stage("train: corpus, tokenizer and models"):  # in a log, a line while this runs (BPE training: minutes)
+        corpus = load_corpus(tc.data, tc.max_chars)
+        train_split = corpus.split("train")
+        if not train_split.documents:
+            raise QuantgateError(f"{tc.data}: the training split is empty (corpus too small)")
+        if di.main:
+            claim_folder(out, (read_marker(out) or {}).get("artifact", "run"))  # a demo folder stays a demo folder
+            tok = prepare_tokenizer(tc, state_dir, lambda: (d.text for d in train_split.documents))
+        if di.world > 1:
+            dist.barrier()
+            if not di.main:
+                tok = load_tokenizer(state_dir)
+        stream = tokenize_corpus(train_split, tok)
 
-    models = build_models(tc, tok)
+        models = build_models(tc, tok)
     optims = {k: make_optimizer(m, tc) for k, m in models.items()}
     step, log = 0, []
     if resume:

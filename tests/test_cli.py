@@ -6,6 +6,7 @@ import subprocess
 import sys
 import tempfile
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 
@@ -68,6 +69,11 @@ def test_demo_fast_trains_and_evaluates_twins(tmp_path):
     assert trained["steps"] == summary["recipe"]["steps"] and trained["lr"] == summary["recipe"]["lr"]
     md = (out / "report" / "report.md").read_text()
     assert f"gated: {trained['steps']} steps" in md and summary["recipe_note"] in md
+    # the structural numbers (cell set, bits per weight, file bytes) depend on the code only: a fresh run gives the
+    # committed ones, or the committed results are stale (regenerate: python benchmarks/demo_fast_structure.py)
+    from quantgate.report.structure import report_structure, structure_differences
+    committed = json.loads((Path(__file__).parents[1] / "docs" / "results" / "demo-fast" / "structure.json").read_text())
+    assert structure_differences(report_structure(rep), committed) == []
     again = run_cli("demo", "--fast", "--out", str(out), timeout=900)  # finished stages are reused
     assert again.returncode == 0 and "reusing" in again.stderr
     assert json.loads((out / "summary.json").read_text())["eval"] == summary["eval"]

@@ -45,3 +45,19 @@ def test_training_in_a_log_prints_plain_progress_lines_with_no_long_gap(tmp_path
     # off: no progress line at all
     rc, quiet = _timed_stderr(args[:-1] + [str(tmp_path / "run2")], {**env, "QUANTGATE_PROGRESS": "0"})
     assert rc == 0 and not any(re.match(r"train: \d+/60", ln) for _t, ln in quiet)
+
+
+def test_a_report_cell_without_a_count_of_its_own_still_prints_in_a_log(tmp_path, monkeypatch, capfd):
+    """A cell's export or quantization has no bar of its own; its stage line names it with the time taken (the demo's
+    log once went 34 s without a line while ONNX Runtime quantized)."""
+    from quantgate.report.cells import cached
+    monkeypatch.setenv("QUANTGATE_PROGRESS", "1")
+    monkeypatch.setenv("QUANTGATE_PROGRESS_EVERY", "0.3")
+
+    def slow():
+        time.sleep(1.5)
+        return {"x": 1}
+
+    assert cached(tmp_path / "c.json", "k", slow, "onnx gated int8-dynamic", {})["x"] == 1
+    err = capfd.readouterr().err
+    assert re.search(r"^onnx gated int8-dynamic: 0m0\ds elapsed$", err, re.M), err

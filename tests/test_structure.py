@@ -164,7 +164,7 @@ def test_old_paths_give_the_same_objects():
 # runners' public interface, and the plumbing (errors, files, identity, progress, text sources)
 REPORT_MAY_USE = {
     "quantgate": {"__version__"},
-    "quantgate.quant": {"SCHEMES", "SCOPES", "get", "plain_of"},
+    "quantgate.quant": {"SCHEMES", "SCOPES", "get", "plain_of", "scope_words"},
     "quantgate.quant.build": {"CalibSettings", "quantize"},                   # quantgate quantize
     "quantgate.export.gguf": {"export_checkpoint"},                          # quantgate export gguf
     "quantgate.export.onnx": {"export_checkpoint"},                          # quantgate export onnx

@@ -179,6 +179,6 @@ def test_hybrid_twins_train_save_as_qwen3_5_and_run(tmp_path):
     assert r.returncode == 0 and json.loads(r.stdout)["ppl"] > 1, r.stderr[-1500:]
     r = run_cli("generate", str(tmp_path / "h" / "gated"), "--prompt", "def", "--max-tokens", "5")
     assert r.returncode == 0, r.stderr[-1500:]
-    r = run_cli("export", "onnx", str(tmp_path / "h" / "gated"), "--graph", "gqa", "--out", str(tmp_path / "g-onnx"))
+    r = run_cli("export", "onnx", str(tmp_path / "h" / "gated"), "--dtype", "fp16", "--out", str(tmp_path / "g-onnx"))
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "hybrid" in r.stderr
     assert not (tmp_path / "g-onnx").exists()

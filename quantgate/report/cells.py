@@ -17,7 +17,7 @@ from ..fsio import interrupts, write_json
 from ..gate_survival import check_gate_survival
 from ..identity import key as ident_key
 from ..info import model_info
-from ..progress import console
+from ..progress import console, stage
 from ..quant import get as registry_get
 from ..quant.build import CalibSettings, quantize
 from ..runners import LlamaRunner, OrtRunner, TorchRunner
@@ -65,7 +65,8 @@ def cached(path: Path, k: str, compute, label: str, timings: dict) -> dict:
             pass
     t0 = time.time()
     console.print(f"[bold]{label}[/bold] ...")
-    d = compute()
+    with stage(label):  # in a log, a line at least every 20 s while the cell builds and scores
+        d = compute()
     d["_key"], d["_seconds"] = k, round(time.time() - t0, 2)
     timings[label] = d["_seconds"]
     write_json(path, d)

@@ -11,8 +11,7 @@ import onnxruntime
 import torch
 
 from .. import __version__
-from ..quant import SCHEMES, plain_of
-from ..quant.schemes import scope_words
+from ..quant import SCHEMES, plain_of, scope_words
 from ..stats import LEVEL, MIN_UNITS, NOT_RESOLVED, RESAMPLES, SEED, direction, holm
 from .compare import DISAGREE, compare_cells, link_reading, settle, sqnr_link
 from .settings import TWINS, ReportSettings, gated_only
