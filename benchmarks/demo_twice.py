@@ -31,8 +31,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results"
-KEEP = ("summary.json", "analysis.json", "plots", "report/report.html", "report/report.md", "report/report.json",
-        "report/plots")
+KEEP = {"summary.json": "summary.json", "analysis.json": "analysis.json", "plots": "plots",  # source -> kept as
+        "report/report.html": "report.html", "report/report.md": "report.md", "report/report.json": "report.json",
+        "report/plots": "plots"}
 
 
 def run_demo(out: Path, threads: int, log: Path) -> dict:
@@ -80,16 +81,21 @@ def facts(out: Path) -> dict:
 
 
 def keep(out: Path, dest: Path) -> None:
-    """The run's report, summary, analysis and plots (no checkpoints or exports) into `dest`, replaced whole."""
+    """The run's report, summary, analysis and plots (no checkpoints or exports) into `dest`, replaced whole (its
+    README.md, written by hand about the run, is kept)."""
+    readme = (dest / "README.md").read_text() if (dest / "README.md").is_file() else None
     if dest.exists():
         shutil.rmtree(dest)
-    for rel in KEEP:
+    if readme is not None:
+        dest.mkdir(parents=True)
+        (dest / "README.md").write_text(readme)
+    for rel, to in KEEP.items():
         src = out / rel
         if src.is_dir():
-            shutil.copytree(src, dest / rel)
+            shutil.copytree(src, dest / to, dirs_exist_ok=True)
         elif src.is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / rel)
+            (dest / to).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / to)
 
 
 def main() -> None:
