@@ -4,12 +4,11 @@ from __future__ import annotations
 import onnx
 import torch
 
-from .errors import QuantgateError
 from .formats import artifact_kind, inspect_gguf, load_checkpoint
 from .formats.gguf import gguf_config, open_reader, tokenizer_from_gguf
-from .formats.onnx_io import check_graph, onnx_bytes, read_meta, resolve_onnx
-from .fsio import read_json
-from .formats.hf import config_from_hf, open_hf
+from .formats.onnx import read_export_header
+from .formats.onnx_io import onnx_bytes
+from .formats.hf import open_hf
 from .model import Model
 from .tokenizer import load_tokenizer
 from .quant.simulate import block_bits_per_weight
@@ -64,13 +63,7 @@ def _header(path: str):
 def _onnx_header(path: str):
     """An ONNX export's facts from its graph (weights not loaded) and the files beside it: the source's config and
     parameter count (its tying included), the scheme, file bytes and bits per weight, and what the logits read."""
-    onnx_path, model_dir = resolve_onnx(path)
-    check_graph(onnx_path)
-    cfg_file = model_dir / "config.json"
-    if not cfg_file.is_file():
-        raise QuantgateError(f"{model_dir}: no config.json beside model.onnx")
-    cfg, _layout = config_from_hf(read_json(cfg_file), model_dir)
-    meta = read_meta(model_dir)
+    onnx_path, model_dir, cfg, meta = read_export_header(path)
     graph = onnx.load(str(onnx_path), load_external_data=False)
     with torch.device("meta"):
         n = Model(cfg).num_params()

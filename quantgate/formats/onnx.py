@@ -115,17 +115,23 @@ def _first_init(model, *names: str):
     return None
 
 
-def load_onnx_model(path):
-    """Our PyTorch Model from an exported ONNX directory, every weight dequantized (the inverse of the
-    exporter plus onnxruntime's quantizers). For the gate-survival check and `analyze`/`info` on ONNX."""
+def read_export_header(path):
+    """(model.onnx path, export folder, the source's ModelConfig, quantgate.json) of an ONNX export, its graph
+    checked (quantgate's decoder I/O, external data) and nothing loaded."""
     onnx_path, model_dir = resolve_onnx(path)
     check_graph(onnx_path)
     cfg_file = model_dir / "config.json"
     if not cfg_file.is_file():
         raise QuantgateError(f"{model_dir}: no config.json beside model.onnx")
     cfg, _layout = config_from_hf(read_json(cfg_file), model_dir)
-    meta = read_meta(model_dir)
-    check_fits_in_memory(cfg, str(cfg_file))
+    return onnx_path, model_dir, cfg, read_meta(model_dir)
+
+
+def load_onnx_model(path):
+    """Our PyTorch Model from an exported ONNX directory, every weight dequantized (the inverse of the
+    exporter plus onnxruntime's quantizers). For the gate-survival check and `analyze`/`info` on ONNX."""
+    onnx_path, model_dir, cfg, meta = read_export_header(path)
+    check_fits_in_memory(cfg, str(model_dir / "config.json"))
     try:
         graph = onnx.load(str(onnx_path))
     except Exception as e:  # external data unreadable after check_graph passed: a torn file
