@@ -135,6 +135,16 @@ class QuantgateGroup(click.Group):
 LONG_VERBS = {"train", "eval", "quantize", "export", "generate", "analyze", "attribute", "report", "demo"}
 
 
+def _heartbeat(ctx):
+    """In a log, a long verb prints a line at least every 20 s while it runs (quantgate.progress.verb); `generate`
+    streams its text instead."""
+    verb = ctx.invoked_subcommand
+    if verb not in LONG_VERBS or verb == "generate" or _listing(ctx):
+        return contextlib.nullcontext()
+    from quantgate.progress import verb as heartbeat
+    return heartbeat(verb)
+
+
 def _listing(ctx) -> bool:
     """`quantgate quantize --list` prints a table; no work, no memory line."""
     return ctx.invoked_subcommand == "quantize" and "--list" in sys.argv
@@ -148,6 +158,8 @@ def main():
     Start with `quantgate demo`: it trains a baseline and a gated twin on text that ships with
     Python itself and evaluates both.
     """
+    ctx = click.get_current_context()
+    ctx.with_resource(_heartbeat(ctx))  # held until the verb returns or fails
 
 
 def _emit(obj: dict, as_json: bool) -> None:

@@ -86,9 +86,11 @@ class _PlainReporter:
                 self.active.remove(progress)
 
     def line(self) -> str | None:
+        """The active bars' line; a verb's own heartbeat (see `verb`) speaks only while no other bar does."""
         with self.lock:
-            tasks = [t for p in self.active for t in p.tasks if not t.finished or t.total is None]
-        return " | ".join(task_line(t) for t in tasks) or None
+            tasks = [(p, t) for p in self.active for t in p.tasks if not t.finished or t.total is None]
+        inner = [t for p, t in tasks if not isinstance(p, _VerbHeartbeat)]
+        return " | ".join(task_line(t) for t in inner or [t for _p, t in tasks]) or None
 
     def _run(self) -> None:
         every = plain_every()
@@ -115,6 +117,28 @@ class PlainProgress(Progress):
     def stop(self) -> None:
         _PLAIN.remove(self)
         super().stop()
+
+
+class _VerbHeartbeat(PlainProgress):
+    """The plain reporter's fallback for a whole verb (see `verb`)."""
+
+
+@contextlib.contextmanager
+def verb(name: str):
+    """A long verb's heartbeat in a log: while it runs, a plain line at least every PLAIN_EVERY seconds even where
+    the step in progress has no bar of its own (llama.cpp's quantizer, a checkpoint being read, a plot being drawn):
+    `quantize: 1m20s elapsed`. Any other active bar's line takes its place. Off on a terminal, where the steps'
+    own bars show, and with QUANTGATE_PROGRESS=0."""
+    if not plain():
+        yield
+        return
+    p = _VerbHeartbeat(TextColumn("{task.description}"), console=console, disable=True)
+    p.add_task(name, total=None)
+    p.start()
+    try:
+        yield
+    finally:
+        p.stop()
 
 
 class MemoryColumn(ProgressColumn):

@@ -61,3 +61,42 @@ def test_a_report_cell_without_a_count_of_its_own_still_prints_in_a_log(tmp_path
     assert cached(tmp_path / "c.json", "k", slow, "onnx gated int8-dynamic", {})["x"] == 1
     err = capfd.readouterr().err
     assert re.search(r"^onnx gated int8-dynamic: 0m0\ds elapsed$", err, re.M), err
+
+
+def test_a_long_verb_without_a_bar_of_its_own_still_prints_in_a_log(tmp_path, monkeypatch):
+    """llama.cpp's quantizer has no bar: `quantgate quantize X.gguf > log` once sat silent for minutes at a 0.8B shape.
+    Every long verb carries a heartbeat in a log; `generate` streams text instead and carries none."""
+    from click.testing import CliRunner
+
+    import quantgate.quant.build as build
+    from quantgate.cli import main
+    monkeypatch.setenv("QUANTGATE_PROGRESS", "1")
+    monkeypatch.setenv("QUANTGATE_PROGRESS_EVERY", "0.3")
+
+    def slow_quantize(*_a, **_k):
+        time.sleep(1.5)
+        return {"out": "x"}
+
+    monkeypatch.setattr(build, "quantize", slow_quantize)
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"GGUF")
+    r = CliRunner().invoke(main, ["quantize", str(src), "--type", "Q8_0", "--out", str(tmp_path / "q.gguf")])
+    assert r.exit_code == 0, r.output
+    assert re.search(r"^quantize: 0m0\ds elapsed$", r.stderr, re.M), r.stderr
+    # the heartbeat stops with the verb: nothing after the peak-memory line
+    assert r.stderr.rstrip().splitlines()[-1].startswith("peak memory"), r.stderr
+
+
+def test_the_heartbeat_gives_way_to_a_bar_and_is_off_with_progress_off(monkeypatch, capfd):
+    from quantgate.progress import track, verb
+    monkeypatch.setenv("QUANTGATE_PROGRESS", "1")
+    monkeypatch.setenv("QUANTGATE_PROGRESS_EVERY", "0.2")
+    with verb("eval"):
+        for _ in track(range(3), "windows", total=3):
+            time.sleep(0.4)
+    err = capfd.readouterr().err
+    assert re.search(r"^windows: \d/3", err, re.M) and not re.search(r"eval: .* \| windows", err), err
+    monkeypatch.setenv("QUANTGATE_PROGRESS", "0")
+    with verb("eval"):
+        time.sleep(0.6)
+    assert capfd.readouterr().err == ""
