@@ -16,7 +16,7 @@ import numpy as np
 from .calib_data import check_ctx, default_split, eval_windows, load_corpus, tokenize_corpus, window_documents
 from .errors import QuantgateError
 from .formats import artifact_kind, load_checkpoint
-from .formats.gguf import check_finite_weights, inspect_gguf, open_reader, tokenizer_from_gguf
+from .formats.gguf import check_finite_weights, forget_readers, inspect_gguf, open_reader, tokenizer_from_gguf
 from .formats.hf import open_hf
 from .layerwise import LayerwiseRunner, check_layerwise_applies, iter_logits, needs_layerwise
 from .formats.onnx import check_finite_initializers, onnx_context
@@ -94,6 +94,7 @@ def open_model(model_path: str, device: str = "cpu", torchao: str | None = None,
         check_finite_weights(model_path)
         tok = tokenizer_from_gguf(open_reader(model_path))
         runner = LlamaRunner(model_path, n_ctx=ctx, kv_type=kv_type, threads=threads, device=device)
+        forget_readers()  # the metadata is read: the reader's objects would ride along the whole evaluation
         return runner, tok, f"llama.cpp:{runner.info.file_type}", {"kv_type": kv_type, "gguf_bytes": runner.info.n_bytes,
                                                                   "kv_rotation": runner.kv_rotation["reading"]}
     if kind == "onnx":
@@ -215,7 +216,7 @@ def reference_header(reference: str):
     return ref.model.cfg, ref.tokenizer
 
 
-LOGITS_BATCH_BYTES = 512 << 20  # a batch of the compared runner's logits stays under this (at least one window)
+LOGITS_BATCH_BYTES = 256 << 20  # a batch of the compared runner's logits stays under this (at least one window)
 
 
 def batch_for_vocab(batch: int, ctx: int, vocab: int) -> int:

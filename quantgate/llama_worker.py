@@ -82,13 +82,13 @@ def _worker(conn, path: str, n_ctx: int, kv: int, flash: bool, threads: int, log
             op = req[0]
             if op == "close":
                 return
-            if op == "logits":
-                out = []
-                for row in req[1]:
+            if op == "logits":  # the shape, then each window's [T, V] fp32 logits as raw bytes (see LlamaRunner)
+                rows = req[1]
+                conn.send(("ok", (len(rows), rows.shape[1], llm.n_vocab())))
+                for row in rows:
                     llm.reset()
                     llm.eval(row.tolist())
-                    out.append(np.array(llm.scores[: len(row)], dtype=np.float32))
-                conn.send(("ok", np.stack(out)))
+                    conn.send_bytes(np.ascontiguousarray(llm.scores[: len(row)], dtype=np.float32))
             elif op == "tokenize":
                 conn.send(("ok", llm.tokenize(req[1].encode("utf-8"), add_bos=False, special=False)))
             elif op == "generate":

@@ -7,6 +7,7 @@ rebuilt from the file's own metadata, so `quantgate eval FILE.gguf` needs nothin
 """
 from __future__ import annotations
 
+import gc
 import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -181,6 +182,13 @@ def _parse_checked(path: Path, size: int):
 _checked_reader = _ReaderCache(_parse_checked)
 
 
+def forget_readers() -> None:
+    """Drop the kept readers: gguf-py holds a numpy view per metadata element (half a GB of Python objects for
+    Qwen3.5's vocabulary and merges), which a long run that needs no more metadata should not carry."""
+    _checked_reader.cache_clear()
+    gc.collect()
+
+
 def forget_reader(path: str | Path) -> None:
     """Drop the kept reader of `path` (a temporary file about to be removed)."""
     _checked_reader.forget(Path(path))
@@ -331,26 +339,45 @@ F16_SCALE_OFFSETS = {
 }
 
 
+FINITE_CHUNK_BYTES = 64 << 20  # check_finite_weights reads a tensor this much at a time
+
+
 def check_finite_weights(path: str | Path) -> None:
     """Refuse a GGUF holding NaN or Inf weights before llama.cpp scores it: float tensors value by value,
-    quantized ones by their block scales (read straight from the memory-mapped file, nothing dequantized)."""
+    quantized ones by their block scales (nothing dequantized). The bytes are read with plain reads, a chunk at a
+    time, not through the reader's memory map: a map's touched pages stay resident as long as it lives, so a 0.8B
+    model's check would hold the whole file in this process's memory while llama.cpp (another process) runs it."""
     reader = open_reader(path)
-    for t in reader.tensors:
-        kind = t.tensor_type.name
-        raw = np.asarray(t.data)
-        if kind in ("F32", "F16", "F64"):
-            bad = not np.isfinite(raw).all()
-        elif kind == "BF16":
-            bits = raw.reshape(-1).view(np.uint16)
-            bad = bool(((bits & 0x7F80) == 0x7F80).any())
-        elif kind in F16_SCALE_OFFSETS:
-            size, offsets = F16_SCALE_OFFSETS[kind]
-            blocks = raw.reshape(-1).view(np.uint8).reshape(-1, size)
-            bad = any(not np.isfinite(blocks[:, o:o + 2].copy().view(np.float16)).all() for o in offsets)
-        else:
-            continue  # other types: the runner's finite-logits check still stands guard
-        if bad:
-            raise QuantgateError(f"{path}: tensor {t.name} ({kind}) holds NaN or Inf values")
+    with open(path, "rb") as f:
+        for t in reader.tensors:
+            kind = t.tensor_type.name
+            if kind in ("F32", "F16", "F64", "BF16"):
+                item = {"F32": 4, "F16": 2, "F64": 8, "BF16": 2}[kind]
+            elif kind in F16_SCALE_OFFSETS:
+                item = F16_SCALE_OFFSETS[kind][0]  # whole blocks per chunk
+            else:
+                continue  # other types: the runner's finite-logits check still stands guard
+            step = max(1, FINITE_CHUNK_BYTES // item) * item
+            f.seek(int(t.data_offset))
+            left = int(t.n_bytes)
+            while left > 0:
+                raw = np.frombuffer(f.read(min(step, left)), dtype=np.uint8)
+                if not raw.size:
+                    raise QuantgateError(f"{path}: truncated GGUF (tensor {t.name} ends past the file's end)")
+                left -= len(raw)
+                if _nonfinite(raw, kind):
+                    raise QuantgateError(f"{path}: tensor {t.name} ({kind}) holds NaN or Inf values")
+
+
+def _nonfinite(raw: np.ndarray, kind: str) -> bool:
+    """Whether a chunk of whole values (float types) or whole blocks (quantized types) holds a NaN or Inf."""
+    if kind in ("F32", "F16", "F64"):
+        return not np.isfinite(raw.view({"F32": np.float32, "F16": np.float16, "F64": np.float64}[kind])).all()
+    if kind == "BF16":
+        return bool(((raw.view(np.uint16) & 0x7F80) == 0x7F80).any())
+    size, offsets = F16_SCALE_OFFSETS[kind]
+    blocks = raw.reshape(-1, size)
+    return any(not np.isfinite(blocks[:, o:o + 2].copy().view(np.float16)).all() for o in offsets)
 
 
 def read_tensor(reader, name: str) -> np.ndarray:

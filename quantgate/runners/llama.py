@@ -122,7 +122,16 @@ class LlamaRunner:
         if windows.shape[1] > self.n_ctx:
             raise QuantgateError(f"window of {windows.shape[1]} tokens exceeds the llama.cpp context {self.n_ctx}")
         self._conn.send(("logits", np.asarray(windows, dtype=np.int64)))
-        return self._recv("evaluating")
+        shape = self._recv("evaluating")
+        # each window's bytes land straight in the result: a pickled batch would be held twice (the message and
+        # the array), 2 x 254 MB per window at Qwen3.5's vocabulary
+        out = np.empty(shape, dtype=np.float32)
+        for w in out:
+            try:
+                self._conn.recv_bytes_into(memoryview(w.reshape(-1).view(np.uint8)))
+            except (EOFError, ConnectionResetError, OSError):
+                raise self._died("evaluating") from None
+        return out
 
     def tokenize(self, text: str) -> list[int]:
         self._conn.send(("tokenize", text))
