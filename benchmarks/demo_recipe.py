@@ -38,7 +38,7 @@ def run_one(name: str, steps: int, threads: int, work: Path) -> dict:
     from quantgate.analyze import run_analyze
     from quantgate.demo import DEMO_RECIPES
     from quantgate.evaluate import evaluate_model
-    from quantgate.quantize import quantize_checkpoint
+    from quantgate.quant.torch_backend import quantize_checkpoint
     from quantgate.train import TrainConfig, train
 
     torch.set_num_threads(threads)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -53,6 +54,7 @@ def run_demo(out: Path, threads: int, log: Path) -> dict:
     gaps = [b - a for a, b in zip(times, times[1:])]
     worst = max(range(len(gaps)), key=gaps.__getitem__)
     return {"threads": threads, "exit_code": rc, "wall_s": round(wall, 1), "log_lines": len(lines),
+            "load_average_at_end": [round(x, 2) for x in os.getloadavg()],  # other work on the machine meanwhile
             "max_gap_s": round(gaps[worst], 1),
             "max_gap_after": lines[worst - 1][1][:160] if worst > 0 else "(start)",
             "gaps_over_30s": sum(g > 30 for g in gaps), "log": str(log.relative_to(ROOT))}

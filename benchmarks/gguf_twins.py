@@ -49,7 +49,7 @@ def main() -> None:
     from quantgate.export.gguf import IdentityLayerShape, export_checkpoint
     from quantgate.gate_survival import check_gate_survival
     from quantgate.formats import inspect_gguf
-    from quantgate.gguf_quantize import quantize_gguf
+    from quantgate.quant.llama_cpp import quantize_gguf
     from quantgate.runners import LlamaRunner
 
     run, work = Path(args.run), Path(args.work)

@@ -25,9 +25,9 @@ from pathlib import Path
 from quantgate.export.gguf import export_checkpoint
 from quantgate.formats import inspect_gguf, save_checkpoint
 from quantgate.formats.onnx_io import onnx_bytes
-from quantgate.gguf_quantize import quantize_gguf
+from quantgate.quant.llama_cpp import quantize_gguf
 from quantgate.model import ModelConfig, build_model, hybrid
-from quantgate.onnx_quantize import quantize_onnx
+from quantgate.quant.ort import quantize_onnx
 from quantgate.runners import LlamaRunner, OrtRunner
 from quantgate.tokenizer import byte_tokenizer
 

@@ -30,9 +30,9 @@ from quantgate.export.gguf import export_checkpoint as export_gguf
 from quantgate.export.onnx import export_checkpoint as export_onnx
 from quantgate.formats import inspect_gguf, load_checkpoint
 from quantgate.formats.onnx_io import onnx_bytes
-from quantgate.gguf_quantize import quantize_gguf
+from quantgate.quant.llama_cpp import quantize_gguf
 from quantgate.metrics import position_kld, token_nll, top1_match
-from quantgate.onnx_quantize import quantize_onnx
+from quantgate.quant.ort import quantize_onnx
 from quantgate.runners import LlamaRunner, OrtRunner, TorchRunner
 from quantgate.train import TrainConfig, train
 

@@ -52,7 +52,7 @@ from quantgate.export.gguf import export_checkpoint as export_gguf_checkpoint
 from quantgate.export.gguf import export_gguf
 from quantgate.formats import inspect_gguf, save_checkpoint
 from quantgate.formats.onnx_io import onnx_bytes
-from quantgate.gguf_quantize import quantize_gguf
+from quantgate.quant.llama_cpp import quantize_gguf
 from quantgate.model import Model, ModelConfig, hybrid, make_twins
 from quantgate.runners import LlamaRunner, OrtRunner, TorchRunner
 from quantgate.runners.bench import bench
@@ -92,7 +92,7 @@ print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrs
 """
 QUANT_ONNX = """
 import resource, sys, time
-from quantgate.onnx_quantize import quantize_onnx
+from quantgate.quant.ort import quantize_onnx
 t = time.perf_counter()
 quantize_onnx(sys.argv[1], sys.argv[2], sys.argv[3])
 print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)

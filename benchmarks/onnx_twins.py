@@ -42,7 +42,7 @@ def main() -> None:
     from quantgate.evaluate import compare_to_reference, eval_windows, reference_logits
     from quantgate.export.onnx import export_checkpoint
     from quantgate.gate_survival import check_gate_survival
-    from quantgate.onnx_quantize import quantize_onnx
+    from quantgate.quant.ort import quantize_onnx
     from quantgate.runners import OrtRunner, TorchRunner
 
     run, work = Path(args.run), Path(args.work)

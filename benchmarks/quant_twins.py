@@ -36,10 +36,10 @@ def main() -> None:
     from quantgate.evaluate import compare_to_reference, eval_windows
     from quantgate.metrics import layer_sqnr
     from quantgate.outliers import analyze_model
-    from quantgate.quantize import quantize_
+    from quantgate.quant.torch_backend import quantize_
     from quantgate.runners import TorchRunner
-    from quantgate.schemes import get_scheme
-    from quantgate.smoothquant import smooth_
+    from quantgate.quant.schemes import get_scheme
+    from quantgate.quant.smoothquant import smooth_
 
     run = Path(args.run)
     twins = {k: load_checkpoint(run / k) for k in ("baseline", "gated")}

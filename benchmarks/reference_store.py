@@ -40,7 +40,7 @@ from quantgate.calib_data import eval_windows, load_corpus, tokenize_corpus  # n
 from quantgate.evaluate import compare_to_reference  # noqa: E402
 from quantgate.export.gguf import export_checkpoint  # noqa: E402
 from quantgate.formats import load_checkpoint, save_checkpoint  # noqa: E402
-from quantgate.gguf_quantize import quantize_gguf  # noqa: E402
+from quantgate.quant.llama_cpp import quantize_gguf  # noqa: E402
 from quantgate.model import build_model  # noqa: E402
 from quantgate.reference import reference_logits  # noqa: E402
 from quantgate.runners import LlamaRunner  # noqa: E402

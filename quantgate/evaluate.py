@@ -28,7 +28,7 @@ from .stats import cell_intervals
 from .runners import LlamaRunner, OrtRunner, Runner, TorchRunner
 from .runners.kv import ROUNDED_KV_TYPES, kv_bits_for
 from .tokenizer import load_tokenizer
-from .torchao_backend import quantize_torchao_
+from .quant.torchao_backend import quantize_torchao_
 
 # eval_windows, default_split and check_ctx (the split and window policy) live in quantgate.calib_data and
 # token_nll in quantgate.metrics; re-exported here for one release

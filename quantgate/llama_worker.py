@@ -2,7 +2,7 @@
 
 - `python -m quantgate.llama_worker run FD PATH ...`: the worker behind `quantgate.runners.llama.LlamaRunner`,
   answering requests (logits, tokenize, generate, one bench round) over a socket.
-- `python -m quantgate.llama_worker quantize REQUEST.json`: llama.cpp's quantizer for `quantgate.gguf_quantize`.
+- `python -m quantgate.llama_worker quantize REQUEST.json`: llama.cpp's quantizer for `quantgate.quant.llama_cpp`.
 
 It imports only llama-cpp-python, numpy, the standard library and quantgate.sampling (numpy only): the parents
 check every file with gguf-py and pass plain numbers (ggml_type ids, llama_ftype), so a spawn does not pay for

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from .capture import capture
-from .qlinear import QuantLinear
+from .quant.qlinear import QuantLinear
 from .quant.simulate import block_linears
 
 

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import QuantgateError
-from .qlinear import fake_quant_per_token
+from .quant.qlinear import fake_quant_per_token
 
 GATE_MODES = ("none", "headwise", "elementwise")
 LAYER_TYPES = ("full_attention", "linear_attention")

@@ -94,7 +94,7 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict |
 def save_tiny_twins(d: Path, text_name: str = "text.txt") -> Path:
     """Tiny baseline/gated twins (head_dim 32, so llama.cpp's quantized KV cache takes them) with a byte
     tokenizer, saved under d/baseline and d/gated beside a short code text: the bad-input tests' inputs."""
-    from quantgate.checkpoint import save_checkpoint
+    from quantgate.formats import save_checkpoint
     from quantgate.model import make_twins, preset
     from quantgate.tokenizer import byte_tokenizer
     b, g = make_twins(preset("tiny", vocab_size=300, head_dim=32), "elementwise", seed=0)
@@ -107,7 +107,7 @@ def save_tiny_twins(d: Path, text_name: str = "text.txt") -> Path:
 def save_k_quant_model(d: Path):
     """A gated model whose rows are multiples of 256 (llama.cpp's k-quants take every tensor, no fallback
     types), saved under d/m with a byte tokenizer and exported as the F32 d/m.gguf. Returns the model."""
-    from quantgate.checkpoint import save_checkpoint
+    from quantgate.formats import save_checkpoint
     from quantgate.export.gguf import export_checkpoint
     from quantgate.model import build_model, preset
     from quantgate.tokenizer import byte_tokenizer
@@ -193,7 +193,7 @@ def tree_snapshot(path: Path) -> dict:
 def save_random_models(d: Path, models: dict) -> Path:
     """Each make() of `models` randomized (seed 5) and saved under d/name with a byte tokenizer, beside a short code
     text d/t.txt: the layer-by-layer tests' inputs."""
-    from quantgate.checkpoint import save_checkpoint
+    from quantgate.formats import save_checkpoint
     from quantgate.tokenizer import byte_tokenizer
     (d / "t.txt").write_text("".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(300)))
     for name, make in models.items():

@@ -8,12 +8,12 @@ import pytest
 from conftest import randomize_, run_cli
 from quantgate.bandwidth import (copy_bandwidth, gguf_decode_bytes, onnx_decode_bytes, read_bandwidth,
                                  torch_decode_bytes)
-from quantgate.checkpoint import load_checkpoint, save_checkpoint
+from quantgate.formats import load_checkpoint, save_checkpoint
 from quantgate.export.gguf import export_checkpoint as export_gguf
 from quantgate.export.onnx import export_checkpoint as export_onnx
 from quantgate.formats.gguf import open_reader
 from quantgate.model import build_model, hybrid, preset
-from quantgate.onnx_quantize import quantize_onnx
+from quantgate.quant.ort import quantize_onnx
 from quantgate.runners import OrtRunner
 from quantgate.tokenizer import byte_tokenizer
 

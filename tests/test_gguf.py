@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import make_hf_qwen3, make_hf_qwen3_next, randomize_, rel_err, run_cli, save_k_quant_model
-from quantgate.checkpoint import load_checkpoint, save_checkpoint
+from quantgate.formats import load_checkpoint, save_checkpoint
 from quantgate.errors import QuantgateError
 from quantgate.export.gguf import export_checkpoint, export_gguf, rope_sections
-from quantgate.gguf_file import inspect_gguf, open_reader, tokenizer_from_gguf
-from quantgate.llama_runner import LlamaRunner
+from quantgate.formats.gguf import inspect_gguf, open_reader, tokenizer_from_gguf
+from quantgate.runners.llama import LlamaRunner
 from quantgate.metrics import position_kld
 from quantgate.model import build_model, preset
 from quantgate.tokenizer import byte_tokenizer, train_bpe
@@ -125,7 +125,7 @@ TYPES = ["Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q4_0", "IQ4_NL", "IQ4_XS", "Q3_K_M
 
 
 def test_every_type_quantizes_loads_and_kld_grows_as_bits_fall(quant_model):
-    from quantgate.gguf_quantize import quantize_gguf
+    from quantgate.quant.llama_cpp import quantize_gguf
     d, w, ref = quant_model
     kld, bpw = {}, {}
     for t in TYPES:
@@ -140,7 +140,7 @@ def test_every_type_quantizes_loads_and_kld_grows_as_bits_fall(quant_model):
 
 
 def test_gate_bits_keep_attn_q_at_q8_and_do_not_hurt(quant_model):
-    from quantgate.gguf_quantize import quantize_gguf
+    from quantgate.quant.llama_cpp import quantize_gguf
     d, w, ref = quant_model
     quantize_gguf(d / "m.gguf", d / "plain.gguf", "Q4_K_M")
     res = quantize_gguf(d / "m.gguf", d / "g8.gguf", "Q4_K_M", gate_bits=8)
@@ -152,7 +152,7 @@ def test_gate_bits_keep_attn_q_at_q8_and_do_not_hurt(quant_model):
 
 
 def test_imatrix_auto_reaches_llama_cpp(quant_model, tmp_path):
-    from quantgate.gguf_quantize import importance_matrix, quantize_gguf
+    from quantgate.quant.llama_cpp import importance_matrix, quantize_gguf
     d, w, ref = quant_model
     im = importance_matrix(load_checkpoint(d / "m.gguf").model, w)
     assert set(im) >= {"blk.0.attn_q.weight", "blk.1.ffn_down.weight"} and im["blk.1.ffn_down.weight"].shape == (512,)
@@ -171,7 +171,7 @@ def test_imatrix_auto_reaches_llama_cpp(quant_model, tmp_path):
 
 def test_gate_survival_exact_at_f32_flags_quantization_and_a_wrong_row_order(quant_model):
     from quantgate.gate_survival import gate_survival
-    from quantgate.gguf_quantize import quantize_gguf
+    from quantgate.quant.llama_cpp import quantize_gguf
     d, w, _ = quant_model
     ref = load_checkpoint(d / "m").model
     exact = gate_survival(load_checkpoint(d / "m.gguf").model, ref, w)

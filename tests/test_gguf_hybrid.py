@@ -54,7 +54,7 @@ def test_quantized_hybrid_ggufs_keep_both_gates_and_the_small_gdn_tensors(tmp_pa
     (attention attn_q, GDN attn_gate) at Q8_0, and ssm_alpha/ssm_beta stay Q8_0 in every type; KLD grows as bits
     fall."""
     from quantgate.gate_survival import gate_survival
-    from quantgate.gguf_quantize import quantize_gguf
+    from quantgate.quant.llama_cpp import quantize_gguf
     from quantgate.metrics import position_kld
     _, m = _twins(2)
     save_checkpoint(m, tmp_path / "g", byte_tokenizer())

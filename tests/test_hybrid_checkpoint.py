@@ -139,7 +139,7 @@ def test_bad_hybrid_checkpoints_are_refused(tmp_path, edit, match):
 def test_torch_quantized_hybrids_save_and_reload_with_their_scheme(tmp_path, scheme):
     """Simulated quantization takes every block Linear of a hybrid (GDN projections too); the checkpoint reloads
     with its scheme and gives the same logits; the gate scope keeps the attention q|gate rows at 8 bits."""
-    from quantgate.quantize import quantize_checkpoint
+    from quantgate.quant.torch_backend import quantize_checkpoint
     m = build_model(_cfg(gate="elementwise"), seed=0).eval()
     randomize_(m)
     save_checkpoint(m, tmp_path / "m", byte_tokenizer())

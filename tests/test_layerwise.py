@@ -107,8 +107,8 @@ def test_runner_logits_match_the_model(saved):
 def test_a_quantized_checkpoint_runs_layer_by_layer_with_its_scheme(saved, tmp_path):
     """A quantgate-quantized checkpoint's QuantLinears are built on the meta device too (its perplexity against the
     in-memory path: tests/test_quantize_layerwise.py)."""
-    from quantgate.qlinear import QuantLinear
-    from quantgate.quantize import quantize_checkpoint
+    from quantgate.quant.qlinear import QuantLinear
+    from quantgate.quant.torch_backend import quantize_checkpoint
     quantize_checkpoint(str(saved / "hybrid-tied"), "w8a16", str(tmp_path / "q"))
     lw = LayerwiseModel(open_hf(tmp_path / "q"))
     assert any(isinstance(m, QuantLinear) for m in lw.model.modules())

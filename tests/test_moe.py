@@ -180,7 +180,7 @@ def test_decode_bytes_count_only_the_experts_a_token_runs(moe_gguf):
 
 def test_llama_cpp_quantization_keeps_router_and_shared_gate_f32(moe_gguf, tmp_path):
     """Q4_K_M with an importance matrix (one row per expert, over the tokens routed to it) and --gate-bits 8."""
-    from quantgate.gguf_quantize import importance_matrix, quantize_gguf
+    from quantgate.quant.llama_cpp import importance_matrix, quantize_gguf
     d, m, _ = moe_gguf
     (tmp_path / "t.txt").write_text("def f(x):\n    return x * 2\n" * 200)
     r = quantize_gguf(d / "m.gguf", tmp_path / "q.gguf", "Q4_K_M", imatrix="auto", gate_bits=8,
@@ -195,7 +195,7 @@ def test_llama_cpp_quantization_keeps_router_and_shared_gate_f32(moe_gguf, tmp_p
 
 
 def test_torch_schemes_quantize_experts_and_keep_router_float():
-    from quantgate.qlinear import QuantLinear
+    from quantgate.quant.qlinear import QuantLinear
     from quantgate.quant import get
     from quantgate.quant.simulate import quantize_
     m, q = moe_model(), quantize_(moe_model(), get("torch", "w8a16"))
@@ -296,7 +296,7 @@ def test_streamed_moe_export_equals_the_in_memory_one_from_either_expert_form(tm
 def test_experts_no_calibration_token_reached_still_quantize(scheme):
     """One calibration window of 2 tokens routes to at most 4 of 8 experts per layer: the rest get round-to-nearest
     (no GPTQ Hessian) and, for static activations, the union of the ranges their siblings saw."""
-    from quantgate.qlinear import QuantLinear
+    from quantgate.quant.qlinear import QuantLinear
     from quantgate.quant import get
     from quantgate.quant.simulate import quantize_
     m = moe_model()

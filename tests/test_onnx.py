@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from conftest import randomize_, rel_err, run_cli
-from quantgate.checkpoint import load_checkpoint, save_checkpoint
+from quantgate.formats import load_checkpoint, save_checkpoint
 from quantgate.export.onnx import export_checkpoint
 from quantgate.metrics import position_kld
 from quantgate.model import build_model, preset
-from quantgate.ort_runner import OrtRunner
+from quantgate.runners import OrtRunner
 from quantgate.tokenizer import byte_tokenizer
 
 W = np.array([[0] + list(range(3, 30)), [0] + list(range(299, 272, -1))], dtype=np.int64)
@@ -153,7 +153,7 @@ def _kld(path, w, ref):
 
 
 def test_every_scheme_quantizes_runs_and_int4_costs_most(qmodel):
-    from quantgate.onnx_quantize import quantize_onnx
+    from quantgate.quant.ort import quantize_onnx
     d, _, w, ref = qmodel
     kld, size = {}, {}
     for s in ("int8-dynamic", "int8-static", "int8-weight", "int4"):
@@ -169,7 +169,7 @@ def test_int4_gate_bits_keep_the_gate_matmul_at_8_bits(qmodel):
     import onnx
 
     from quantgate.gate_survival import gate_survival
-    from quantgate.onnx_quantize import quantize_onnx
+    from quantgate.quant.ort import quantize_onnx
     d, m, w, ref = qmodel
     quantize_onnx(d / "fp32", d / "i4", "int4")
     quantize_onnx(d / "fp32", d / "i4g8", "int4", gate_bits=8)

@@ -103,7 +103,7 @@ def test_fused_hybrid_graph_reads_back_into_the_same_model(exports, op):
 @pytest.mark.parametrize("scheme,bits", [("int4", 4), ("int8-weight", 8)])
 def test_weight_only_schemes_quantize_the_embedding_and_a_tied_head_reads_that_one_table(exports, tmp_path,
                                                                                          scheme, bits):
-    from quantgate.onnx_quantize import quantize_onnx
+    from quantgate.quant.ort import quantize_onnx
     d, m = exports
     with torch.no_grad():
         ref = m(torch.as_tensor(IDS)).logits.numpy()

@@ -79,7 +79,7 @@ def test_hybrid_onnx_reads_back_into_the_same_model(exported):
 
 def test_quantized_hybrid_exports_run_and_keep_both_gates_at_8_bits_on_request(exported, tmp_path):
     from quantgate.gate_survival import gate_survival
-    from quantgate.onnx_quantize import quantize_onnx
+    from quantgate.quant.ort import quantize_onnx
     d, models = exported
     m = models["gated"]
     with torch.no_grad():
@@ -153,9 +153,9 @@ def test_weights_over_the_inline_limit_go_to_one_external_data_file(tmp_path, mo
     model.onnx.data beside the graph. Shown with the limit lowered to 1 KiB."""
     import quantgate.export.onnx as exporter
     import quantgate.formats.onnx_io as onnx_io
-    import quantgate.onnx_quantize as onnx_quantize
+    import quantgate.quant.ort as onnx_quantize
     from quantgate.model import build_model
-    from quantgate.onnx_quantize import quantize_onnx
+    from quantgate.quant.ort import quantize_onnx
     for mod in (exporter, onnx_io, onnx_quantize):
         monkeypatch.setattr(mod, "INLINE_LIMIT", 1024)
     m = build_model(preset("tiny", vocab_size=300, gate="elementwise"), seed=0).eval()

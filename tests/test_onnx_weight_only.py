@@ -13,9 +13,9 @@ import pytest
 from onnx import numpy_helper
 
 import quantgate.export.onnx as onnx_export
-import quantgate.onnx_weight_only as weight_only
+import quantgate.quant.ort_weight_only as weight_only
 from quantgate.formats.onnx_io import EXTERNAL_DATA
-from quantgate.onnx_quantize import gate_matmuls, kept_float_matmuls, untie_lm_head
+from quantgate.quant.ort import gate_matmuls, kept_float_matmuls, untie_lm_head
 from quantgate.runners import OrtRunner
 from test_streaming import CASES, _model, _save
 
@@ -122,7 +122,7 @@ def test_external_data_in_and_out_and_every_weight_mapped_not_copied(tmp_path, m
 
 
 def test_the_whole_graph_schemes_are_refused_where_the_export_cannot_fit(tmp_path, monkeypatch):
-    import quantgate.onnx_quantize as onnx_quantize
+    import quantgate.quant.ort as onnx_quantize
     from quantgate.errors import QuantgateError
     gate, layout, is_hybrid, tied = CASES["official-headwise"]
     d = _save(_model(gate, is_hybrid, tied), layout, tmp_path / "ckpt", bf16=False)

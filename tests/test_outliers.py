@@ -96,7 +96,7 @@ def test_analyze_cli_compares_twins_with_plots_and_json(tmp_path):
     import tokenizers
 
     from conftest import run_cli
-    from quantgate.checkpoint import save_checkpoint
+    from quantgate.formats import save_checkpoint
     # the planted models have 64 embedding rows: a one-character-per-token tokenizer over ids 3..63
     vocab = {chr(i): i for i in range(3, 64)}
     vocab.update({"<|bos|>": 0, "<|eos|>": 1, "<|pad|>": 2})

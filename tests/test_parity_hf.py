@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import TINY_HF, make_hf_qwen3, make_hf_qwen3_next, rel_err
-from quantgate.checkpoint import load_checkpoint, save_checkpoint
+from quantgate.formats import load_checkpoint, save_checkpoint
 from quantgate.model import build_model, preset
 
 IDS = torch.tensor([[0, 5, 17, 250, 3, 99, 42, 7, 7, 128, 64, 2, 200, 11, 31, 8]])

@@ -41,7 +41,7 @@ def test_export_gguf(twins, tmp_path, monkeypatch):
 
 
 def test_quantize_gguf(twins, tmp_path, monkeypatch):
-    import quantgate.gguf_quantize as q
+    import quantgate.quant.llama_cpp as q
     monkeypatch.setattr(q, "inspect_gguf", _failing(q.inspect_gguf, _is_temporary))
     with pytest.raises(QuantgateError, match="made to fail"):
         q.quantize_gguf(twins / "g.gguf", tmp_path / "x.gguf", "Q8_0", threads=1)
@@ -67,7 +67,7 @@ def test_export_onnx(twins, tmp_path, monkeypatch, check):
 @pytest.mark.parametrize("scheme", ["int4", "int8-dynamic"])
 def test_quantize_onnx(twins, tmp_path, monkeypatch, scheme):
     import quantgate.formats.onnx_io as io
-    from quantgate.onnx_quantize import quantize_onnx
+    from quantgate.quant.ort import quantize_onnx
     monkeypatch.setattr(io, "check_graph", _failing(io.check_graph, _is_temporary))
     with pytest.raises(QuantgateError, match="own check; nothing was kept"):
         quantize_onnx(twins / "onnx", tmp_path / "x", scheme)
@@ -77,7 +77,7 @@ def test_quantize_onnx(twins, tmp_path, monkeypatch, scheme):
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_quantize_torch(twins, tmp_path, monkeypatch, layerwise):
     import quantgate.formats.hf as hf
-    from quantgate.quantize import quantize_checkpoint
+    from quantgate.quant.torch_backend import quantize_checkpoint
     monkeypatch.setattr(hf, "open_hf", _failing(hf.open_hf, _is_temporary))
     with pytest.raises(QuantgateError, match="own check; nothing was kept"):
         quantize_checkpoint(str(twins / "gated"), "w4a16-g32", str(tmp_path / "x"), calib_data=str(twins / "text.txt"),

@@ -33,8 +33,8 @@ def test_a_model_and_out_are_still_required_without_list(tmp_path):
 
 
 def test_gguf_types_are_gguf_py_enums():
-    from quantgate.gguf_file import FILE_TYPE_NAMES
-    from quantgate.gguf_quantize import FILE_TYPES
+    from quantgate.formats.gguf import FILE_TYPE_NAMES
+    from quantgate.quant.llama_cpp import FILE_TYPES
     members = gguf.LlamaFileType.__members__
     assert all(f"MOSTLY_{get('gguf', n).file_type}" in members for n in names("gguf"))  # every offered type exists
     assert FILE_TYPES["Q4_K_M"] == 15 and FILE_TYPE_NAMES[0] == "F32" and FILE_TYPE_NAMES[15] == "Q4_K_M"
@@ -73,7 +73,7 @@ def _kept_at_8_bits(backend: str, path) -> dict[int, set]:
                 m = re.search(r"layers\.(\d+)\.(.+)\.MatMul", n.name)
                 kept.setdefault(int(m[1]), set()).update({"q", "gate"} if m[2] == "self_attn.qg_proj" else {m[2]})
         return kept
-    from quantgate.gguf_file import inspect_gguf
+    from quantgate.formats.gguf import inspect_gguf
     for name, t in inspect_gguf(path).tensor_types.items():
         m = re.fullmatch(r"blk\.(\d+)\.(.+)\.weight", name)
         if m and t == "Q8_0":
@@ -100,7 +100,7 @@ def test_gate_aware_cells_keep_the_same_tensors_at_8_bits_on_torch_onnx_and_gguf
 def test_the_keep_scope_names_gated_deltanet_layers_only_for_a_hybrid(tmp_path):
     """`quantize --list` with a model says what each keep scope holds in that model; without one, the general rule."""
     from conftest import save_tiny_twins
-    from quantgate.checkpoint import save_checkpoint
+    from quantgate.formats import save_checkpoint
     from quantgate.model import build_model, hybrid, preset
     from quantgate.tokenizer import byte_tokenizer
     d = save_tiny_twins(tmp_path)

@@ -11,10 +11,10 @@ from quantgate.errors import QuantgateError
 from quantgate.evaluate import token_nll
 from quantgate.metrics import logit_errors
 from quantgate.model import build_model, preset
-from quantgate.qlinear import ActRange, QuantLinear, fake_quant_per_token, fake_quant_static, quantize_weight
+from quantgate.quant.qlinear import ActRange, QuantLinear, fake_quant_per_token, fake_quant_static, quantize_weight
 from quantgate.runners import TorchRunner
-from quantgate.quantize import block_linears, quantize_
-from quantgate.schemes import SCHEMES, get_scheme
+from quantgate.quant.simulate import block_linears, quantize_
+from quantgate.quant.schemes import TORCH_SCHEMES, get
 from test_outliers import planted_model, windows
 
 
@@ -57,7 +57,7 @@ def trained_spiked(tmp_path_factory):
     """A tiny baseline trained for a few hundred steps, then given a planted BOS spike in layer 1."""
     from conftest import plant_bos_spike
     from quantgate.calib_data import load_corpus, sample_windows, tokenize_corpus
-    from quantgate.checkpoint import load_checkpoint
+    from quantgate.formats import load_checkpoint
     from quantgate.train import TrainConfig, train
     out = train(TrainConfig(preset="tiny", gate="none", byte_tokenizer=True, max_chars=400_000, steps=200,
                             batch_size=8, ctx=64, lr=3e-3, warmup=20, threads=2, ckpt_every=1000),
@@ -73,9 +73,9 @@ def trained_spiked(tmp_path_factory):
 def test_per_tensor_w8a8_loses_far_more_than_per_token_on_a_bos_spike(trained_spiked):
     m, calib, w = trained_spiked
     ref = logits_of(m, w)
-    static = quantize_(copy.deepcopy(m), get_scheme("w8a8-static"), calib_windows=calib)
-    dynamic = quantize_(copy.deepcopy(m), get_scheme("w8a8-dynamic"))
-    sink = quantize_(copy.deepcopy(m), get_scheme("w8a8-static-sink"), calib_windows=calib)
+    static = quantize_(copy.deepcopy(m), get("torch", "w8a8-static"), calib_windows=calib)
+    dynamic = quantize_(copy.deepcopy(m), get("torch", "w8a8-dynamic"))
+    sink = quantize_(copy.deepcopy(m), get("torch", "w8a8-static-sink"), calib_windows=calib)
     e_static, e_dyn, e_sink = (logit_errors(ref, logits_of(q, w)) for q in (static, dynamic, sink))
     assert e_static["kld_mean"] > 10 * e_dyn["kld_mean"]
     p_ref = ppl(ref, w)
@@ -90,13 +90,13 @@ def test_per_tensor_w8a8_loses_far_more_than_per_token_on_a_bos_spike(trained_sp
 def test_calibrated_range_comes_from_the_spike():
     m = planted_model(gate="none", spike_layer=1, spike_channel=7)
     w = windows(4, 32)
-    q = quantize_(copy.deepcopy(m), get_scheme("w8a8-static"), calib_windows=w)
+    q = quantize_(copy.deepcopy(m), get("torch", "w8a8-static"), calib_windows=w)
     down = q.layers[1].mlp.down_proj
     assert isinstance(down, QuantLinear) and down.act_range.hi > 1e4
-    qs = quantize_(copy.deepcopy(m), get_scheme("w8a8-static-sink"), calib_windows=w)
+    qs = quantize_(copy.deepcopy(m), get("torch", "w8a8-static-sink"), calib_windows=w)
     assert qs.layers[1].mlp.down_proj.act_range.hi < 1.0  # without BOS the unit is silent
     # the spike is 4 of 4 x 64 x 256 inputs (0.006%): the 99.99th percentile of them all lies below it
-    qp = quantize_(copy.deepcopy(m), get_scheme("w8a8-static-pct"), calib_windows=windows(4, 64))
+    qp = quantize_(copy.deepcopy(m), get("torch", "w8a8-static-pct"), calib_windows=windows(4, 64))
     assert qp.layers[1].mlp.down_proj.act_range.hi < down.act_range.hi / 10
 
 
@@ -105,7 +105,7 @@ def test_gate_aware_scheme_keeps_gate_rows_at_8_bits(scope):
     m = build_model(preset("tiny", gate="elementwise"), seed=0)
     name = "w4a16-g32-gate8" if scope == "gate" else "w4a16-g32-qgate8"
     orig = {n: l.weight.detach().clone() for n, l in block_linears(m).items()}
-    quantize_(m, get_scheme(name))
+    quantize_(m, get("torch", name))
     for n, lin in block_linears(m).items():
         w = lin.weight.detach()
         expect8 = n.endswith("g_proj") or (scope == "q_and_gate" and n.endswith("q_proj"))
@@ -119,29 +119,29 @@ def test_gate_aware_scheme_keeps_gate_rows_at_8_bits(scope):
 
 def test_bad_scheme_inputs():
     with pytest.raises(QuantgateError, match="unknown scheme"):
-        get_scheme("w3a7-magic")
+        get("torch", "w3a7-magic", "scheme")
     m = build_model(preset("tiny"), seed=0)
     with pytest.raises(QuantgateError, match="no attention gate"):
-        quantize_(m, get_scheme("w4a16-g32-gate8"))
+        quantize_(m, get("torch", "w4a16-g32-gate8"))
     with pytest.raises(QuantgateError, match="calibration"):
-        quantize_(m, get_scheme("w8a8-static"), calib_windows=np.zeros((0, 16), dtype=np.int64))
+        quantize_(m, get("torch", "w8a8-static"), calib_windows=np.zeros((0, 16), dtype=np.int64))
     with pytest.raises(QuantgateError, match="layers.0.self_attn.q_proj: group size 48 does not divide"):
-        quantize_(build_model(preset("tiny"), seed=0), get_scheme("w4a16-g32", group_size=48))
+        quantize_(build_model(preset("tiny"), seed=0), get("torch", "w4a16-g32", group_size=48))
 
 
 def test_every_named_scheme_runs_and_stays_close_on_a_random_model():
     m = build_model(preset("tiny", gate="elementwise", vocab_size=64, dim=128, head_dim=32), seed=0).eval()
     w = windows(4, 32)
     ref = logits_of(m, w)
-    for name in SCHEMES:
-        q = quantize_(copy.deepcopy(m), get_scheme(name), calib_windows=w)
+    for name in [sch.name for sch in TORCH_SCHEMES]:
+        q = quantize_(copy.deepcopy(m), get("torch", name), calib_windows=w)
         e = logit_errors(ref, logits_of(q, w))
         assert e["top1_agreement"] > 0.8 and e["kld_mean"] < 0.05, (name, e)
         assert q.cfg.extra["quant_scheme"]["name"] == name
 
 
 def test_gptq_beats_rtn_on_strongly_correlated_inputs():
-    from quantgate.gptq import gptq_quantize, input_hessian
+    from quantgate.quant.gptq import gptq_quantize, input_hessian
     g = torch.Generator().manual_seed(0)
     mix = torch.randn(8, 128, generator=g)
     draw = lambda n: torch.randn(n, 8, generator=g) @ mix + 0.05 * torch.randn(n, 128, generator=g)  # noqa: E731
@@ -158,11 +158,11 @@ def test_gptq_scheme_runs_through_quantize_():
     m = build_model(preset("tiny", vocab_size=64), seed=0).eval()
     w = windows(4, 32)
     ref = logits_of(m, w)
-    q = quantize_(copy.deepcopy(m), get_scheme("gptq-w4a16-g32"), calib_windows=w)
-    r = quantize_(copy.deepcopy(m), get_scheme("w4a16-g32"))
+    q = quantize_(copy.deepcopy(m), get("torch", "gptq-w4a16-g32"), calib_windows=w)
+    r = quantize_(copy.deepcopy(m), get("torch", "w4a16-g32"))
     assert logit_errors(ref, logits_of(q, w))["kld_mean"] < logit_errors(ref, logits_of(r, w))["kld_mean"]
     with pytest.raises(QuantgateError, match="calibration"):
-        quantize_(copy.deepcopy(m), get_scheme("gptq-w4a16-g32"))
+        quantize_(copy.deepcopy(m), get("torch", "gptq-w4a16-g32"))
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ def test_quantize_cli_writes_a_checkpoint_that_reloads_with_its_scheme(tmp_path,
     import json
 
     from conftest import run_cli
-    from quantgate.checkpoint import load_checkpoint
+    from quantgate.formats import load_checkpoint
     env = {"QUANTGATE_CACHE": str(tmp_path / "cache")}
     src = twin_dirs["gated"]
     r = run_cli("quantize", str(src), "--scheme", "w8a8-static-sink", "--out", str(tmp_path / "q"),
@@ -230,7 +230,7 @@ def test_quantize_cli_bad_inputs(tmp_path, twin_dirs, args, needle):
 
 
 def test_smoothquant_keeps_the_float_function_and_flattens_activations():
-    from quantgate.smoothquant import channel_absmax, smooth_
+    from quantgate.quant.smoothquant import channel_absmax, smooth_
     m = build_model(preset("tiny", gate="elementwise", vocab_size=64), seed=0).eval()
     w = windows(4, 32)
     with torch.no_grad():  # an outlier channel in every token's normed input, as in real LLMs
@@ -242,8 +242,8 @@ def test_smoothquant_keeps_the_float_function_and_flattens_activations():
     assert np.allclose(logits_of(s, w), ref, rtol=1e-4, atol=1e-4)
     after = channel_absmax(s, w)["layers.0.input_layernorm"]
     assert spread(after) < spread(before) / 3
-    q = quantize_(copy.deepcopy(m), get_scheme("w8a8-smoothquant"), calib_windows=w)
-    plain = quantize_(copy.deepcopy(m), get_scheme("w8a8-static"), calib_windows=w)
+    q = quantize_(copy.deepcopy(m), get("torch", "w8a8-smoothquant"), calib_windows=w)
+    plain = quantize_(copy.deepcopy(m), get("torch", "w8a8-static"), calib_windows=w)
     assert q.cfg.extra["quant_scheme"]["smooth_alpha"] == 0.5
     assert logit_errors(ref, logits_of(q, w))["kld_mean"] < logit_errors(ref, logits_of(plain, w))["kld_mean"]
 
@@ -252,8 +252,8 @@ def test_kv_cache_quantization():
     m = build_model(preset("tiny", gate="elementwise", vocab_size=64), seed=0).eval()
     w = windows(4, 32)
     ref = logits_of(m, w)
-    q8 = quantize_(copy.deepcopy(m), get_scheme("kv-int8"))
-    q4 = quantize_(copy.deepcopy(m), get_scheme("kv-int4"))
+    q8 = quantize_(copy.deepcopy(m), get("torch", "kv-int8"))
+    q4 = quantize_(copy.deepcopy(m), get("torch", "kv-int4"))
     assert isinstance(q8.layers[0].self_attn.q_proj, torch.nn.Linear)  # weights untouched
     assert not isinstance(q8.layers[0].self_attn.q_proj, QuantLinear)
     e8, e4 = (logit_errors(ref, TorchRunner(q).logits(w))["kld_mean"] for q in (q8, q4))  # runs use the scheme's
@@ -271,13 +271,13 @@ def test_layer_sqnr_points_at_the_spiked_layer():
     from quantgate.metrics import layer_sqnr
     m = planted_model(gate="none", spike_layer=1, spike_channel=7)
     w = windows(4, 32)
-    q = quantize_(copy.deepcopy(m), get_scheme("w8a8-static"), calib_windows=w)
+    q = quantize_(copy.deepcopy(m), get("torch", "w8a8-static"), calib_windows=w)
     s = layer_sqnr(m, q, w)
     worst = min(s, key=lambda n: s[n]["input_db"])  # every input is quantized under W8A8
     assert worst == "layers.1.mlp.down_proj"  # its range is set by the BOS spike
     assert s[worst]["input_db"] < s["layers.0.mlp.down_proj"]["input_db"] - 10
-    w8 = layer_sqnr(m, quantize_(copy.deepcopy(m), get_scheme("w8a16")), w)
-    w4 = layer_sqnr(m, quantize_(copy.deepcopy(m), get_scheme("w4a16-g32")), w)
+    w8 = layer_sqnr(m, quantize_(copy.deepcopy(m), get("torch", "w8a16")), w)
+    w4 = layer_sqnr(m, quantize_(copy.deepcopy(m), get("torch", "w4a16-g32")), w)
     assert w8["layers.0.self_attn.q_proj"]["input_db"] is None  # weight-only: inputs untouched
     assert w8["layers.0.mlp.up_proj"]["output_db"] > w4["layers.0.mlp.up_proj"]["output_db"] + 15  # ~6 dB/bit
 
@@ -286,14 +286,14 @@ def test_attribution_finds_the_spiked_down_proj():
     from quantgate.attribution import attribute_error
     m = planted_model(gate="none", spike_layer=1, spike_channel=7)
     w = windows(4, 32)
-    rep = attribute_error(m, get_scheme("w8a8-static"), w, w)
+    rep = attribute_error(m, get("torch", "w8a8-static"), w, w)
     assert max(rep["groups_share"], key=rep["groups_share"].get) == "down_proj"
     assert max(rep["layers_share"], key=rep["layers_share"].get) == "1"
     assert max(rep["cells_share"], key=rep["cells_share"].get) == "1.down_proj"
     assert rep["cells_share"]["1.down_proj"] > 0.5
     assert sum(rep["groups_share"].values()) == pytest.approx(1.0)
     with pytest.raises(QuantgateError, match="nothing to attribute"):
-        attribute_error(m, get_scheme("kv-int8"), None, w)
+        attribute_error(m, get("torch", "kv-int8"), None, w)
 
 
 def test_attribute_cli(tmp_path, twin_dirs):

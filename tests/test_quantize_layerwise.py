@@ -18,7 +18,7 @@ from quantgate.evaluate import evaluate_model
 from quantgate.formats.safetensors_stream import SafetensorsWriter
 from quantgate.model import build_model, hybrid, make_twins, preset
 from quantgate.quant.layerwise import check_disk
-from quantgate.quantize import quantize_checkpoint
+from quantgate.quant.torch_backend import quantize_checkpoint
 
 MODELS = {
     "baseline": lambda: make_twins(preset("tiny", vocab_size=300, n_layers=3), "elementwise", 0)[0],

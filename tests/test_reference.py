@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import randomize_, run_cli, save_tiny_twins, small_filesystem
-from quantgate.checkpoint import load_checkpoint, save_checkpoint
+from quantgate.formats import load_checkpoint, save_checkpoint
 from quantgate.errors import QuantgateError
 from quantgate.evaluate import compare_to_reference
 from quantgate.model import build_model, hybrid, preset

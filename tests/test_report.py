@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from quantgate.checkpoint import save_checkpoint
+from quantgate.formats import save_checkpoint
 from quantgate.model import make_twins, preset
 from quantgate.report.conclusion import verdict_tests
 from quantgate.stats import holm
@@ -128,7 +128,7 @@ def test_report_artifacts_are_keyed_by_what_made_them(cli_server, tmp_path):
     built, _, timings = run(calib="3")
     assert built == {"torch/baseline-w8a8-static", "torch/gated-w8a8-static"}
     assert all(v > 0 for k, v in timings.items())  # every cell scored again on the new text
-    from quantgate.checkpoint import load_checkpoint
+    from quantgate.formats import load_checkpoint
     g = load_checkpoint(d / "gated")
     with torch.no_grad():
         g.model.layers[0].mlp.up_proj.weight.mul_(1.01)

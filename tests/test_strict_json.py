@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from conftest import run_cli
-from quantgate.checkpoint import save_checkpoint
+from quantgate.formats import save_checkpoint
 from quantgate.fsio import strict_json, write_json
 from quantgate.model import build_model, preset
 from quantgate.tokenizer import byte_tokenizer

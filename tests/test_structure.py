@@ -3,6 +3,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [p for d in ("quantgate", "export", "calib_data") for p in (ROOT / d).rglob("*.py")] + [ROOT / "cli.py"]
 
@@ -128,34 +130,35 @@ def test_project_imports_at_the_top():
     assert late == [], late[:10]
 
 
-# modules kept at their old path for one release: re-exports only, and nothing in the project imports them
-COMPAT_SHIMS = ("quantgate.checkpoint", "quantgate.gguf_file", "quantgate.onnx_weights", "quantgate.ort_runner",
-                "quantgate.llama_runner", "quantgate.schemes")
+# quant/ is the one room for quantization: no quantizer at the top of the package, and no old path kept (none ever
+# shipped in a release)
+GONE = ("quantgate.quantize", "quantgate.gguf_quantize", "quantgate.onnx_quantize", "quantgate.onnx_weight_only",
+        "quantgate.smoothquant", "quantgate.gptq", "quantgate.qlinear", "quantgate.torchao_backend",
+        "quantgate.checkpoint", "quantgate.gguf_file", "quantgate.llama_runner", "quantgate.onnx_weights",
+        "quantgate.ort_runner", "quantgate.schemes")
 
 
-def test_old_paths_are_re_exports_the_project_does_not_use():
-    users = sorted(f"{m} imports {t}" for m in MODULES for t, _top, _n in _imports(m) if t in COMPAT_SHIMS
-                   and m not in COMPAT_SHIMS)
-    assert users == [], users
-    for shim in COMPAT_SHIMS:
-        tree = ast.parse(MODULES[shim].read_text())
-        defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
-        assert len(defined) <= 1, f"{shim} defines {defined}: an old path re-exports, it holds no code"
-
-
-def test_old_paths_give_the_same_objects():
+def test_quantizers_live_in_quant_and_old_paths_are_gone():
     import importlib
-    pairs = [("quantgate.checkpoint", "load_checkpoint", "quantgate.formats"),
-             ("quantgate.checkpoint", "save_checkpoint", "quantgate.formats"),
-             ("quantgate.gguf_file", "inspect_gguf", "quantgate.formats"),
-             ("quantgate.ort_runner", "OrtRunner", "quantgate.runners"),
-             ("quantgate.llama_runner", "LlamaRunner", "quantgate.runners"),
-             ("quantgate.quantize", "quantize_", "quantgate.quant.simulate"),
-             ("quantgate.evaluate", "eval_windows", "quantgate.calib_data"),
-             ("quantgate.evaluate", "token_nll", "quantgate.metrics"),
-             ("quantgate.export.gguf", "LINEAR_TO_GGUF", "quantgate.formats.gguf_layout")]
-    for old, name, new in pairs:
-        assert getattr(importlib.import_module(old), name) is getattr(importlib.import_module(new), name), (old, name)
+    for old in GONE:
+        assert old not in MODULES, f"{old} is still a module"
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
+    for backend in ("torch_backend", "llama_cpp", "ort", "ort_weight_only", "torchao_backend", "smoothquant", "gptq",
+                    "qlinear"):
+        assert f"quantgate.quant.{backend}" in MODULES
+
+
+def test_the_quant_registry_imports_nothing_above_it():
+    """quant.schemes (the registry every layer reads) depends on errors alone, so reading a scheme never loads a
+    quantizer, a runner or a format; quant/'s modules import quantgate's lower layers, never a verb module."""
+    verbs = {"quantgate.cli", "quantgate.evaluate", "quantgate.generate", "quantgate.analyze", "quantgate.report",
+             "quantgate.demo", "quantgate.train", "quantgate.info", "quantgate.attribution"}
+    assert {t for t, _top, _n in _imports("quantgate.quant.schemes") if t.startswith("quantgate")} <= {
+        "quantgate.errors"}
+    up = sorted(f"{m} imports {t}" for m in MODULES if m.startswith("quantgate.quant")
+                for t, _top, _n in _imports(m) if t in verbs or t.startswith("quantgate.report"))
+    assert up == [], up
 
 
 # --- the report only reads results ---------------------------------------------------------------------------

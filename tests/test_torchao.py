@@ -12,9 +12,9 @@ pytest.importorskip("torchao", reason="torchao is in the test extra: pip install
 from quantgate.errors import QuantgateError  # noqa: E402
 from quantgate.metrics import logit_errors  # noqa: E402
 from quantgate.model import build_model, preset  # noqa: E402
-from quantgate.quantize import quantize_  # noqa: E402
-from quantgate.schemes import get_scheme  # noqa: E402
-from quantgate.torchao_backend import quantize_torchao_  # noqa: E402
+from quantgate.quant.simulate import quantize_  # noqa: E402
+from quantgate.quant.schemes import get  # noqa: E402
+from quantgate.quant.torchao_backend import quantize_torchao_  # noqa: E402
 
 
 def _model():
@@ -36,7 +36,7 @@ def test_torchao_int8_dynamic_on_cpu_matches_the_simulation():
     m, w = _model(), _windows()
     ref = _logits(m, w)
     real = logit_errors(ref, _logits(quantize_torchao_(copy.deepcopy(m), "int8-dynamic"), w))
-    sim = logit_errors(ref, _logits(quantize_(copy.deepcopy(m), get_scheme("w8a8-dynamic")), w))
+    sim = logit_errors(ref, _logits(quantize_(copy.deepcopy(m), get("torch", "w8a8-dynamic")), w))
     assert 0 < real["kld_mean"] < 3 * sim["kld_mean"] + 1e-6 and sim["kld_mean"] < 3 * real["kld_mean"] + 1e-6
     assert real["top1_agreement"] > 0.95
 
@@ -55,6 +55,6 @@ def test_torchao_cuda_kernels(kind, sim):
     m, w = _model(), _windows()
     ref = _logits(m, w)
     real = logit_errors(ref, _logits(quantize_torchao_(copy.deepcopy(m), kind, "cuda"), w, "cuda"))
-    simulated = logit_errors(ref, _logits(quantize_(copy.deepcopy(m), get_scheme(sim)), w))
+    simulated = logit_errors(ref, _logits(quantize_(copy.deepcopy(m), get("torch", sim)), w))
     assert real["top1_agreement"] > 0.8
     assert real["kld_mean"] < 5 * simulated["kld_mean"] + 1e-3  # bf16 activations add their own error

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import run_cli
-from quantgate.checkpoint import load_checkpoint
+from quantgate.formats import load_checkpoint
 from quantgate.train import TrainConfig, lr_at, train
 
 TINY = ["--preset", "tiny", "--byte-tokenizer", "--max-chars", "300000", "--batch-size", "4", "--ctx", "64",

@@ -1,7 +1,7 @@
 """`quantize(source, scheme, out)`: one door to every backend's quantizer, chosen by the scheme's type.
 
 torchao's `quantize_` dispatches on `type(config)` through a handler table; this is the same move for
-whole artifacts: a TorchScheme writes a model directory (quantgate.quantize, PyTorch), an OnnxScheme an ONNX
+whole artifacts: a TorchScheme writes a model directory (quantgate.quant.torch_backend, PyTorch), an OnnxScheme an ONNX
 directory (onnxruntime.quantization), a GgufScheme a .gguf (llama.cpp's quantizer). `quantgate quantize`
 and the report's cells both call it, so a report cell's artifact is exactly what the CLI would write.
 """
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import QuantgateError
-from ..gguf_quantize import quantize_gguf
-from ..onnx_quantize import quantize_onnx
-from ..quantize import quantize_checkpoint
+from .llama_cpp import quantize_gguf
+from .ort import quantize_onnx
+from .torch_backend import quantize_checkpoint
 from .schemes import GgufScheme, OnnxScheme, TorchaoScheme, TorchScheme
 
 

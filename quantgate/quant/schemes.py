@@ -248,7 +248,7 @@ class GgufScheme:
 
 @dataclass(frozen=True)
 class TorchaoScheme:
-    """torchao's own configs on the block Linears at load time (quantgate.torchao_backend)."""
+    """torchao's own configs on the block Linears at load time (quantgate.quant.torchao_backend)."""
     backend: ClassVar[str] = "torchao"
     name: str
     group_size: int | None = None

@@ -16,11 +16,11 @@ import torch
 import torch.nn as nn
 
 from ..errors import QuantgateError
-from ..gptq import gptq_quantize, input_hessian
+from .gptq import gptq_quantize, input_hessian
 from ..capture import capture
 from ..model import Model, attention_only
-from ..qlinear import ActRange, QuantLinear, quantize_weight
-from ..smoothquant import smooth_
+from .qlinear import ActRange, QuantLinear, quantize_weight
+from .smoothquant import smooth_
 from .schemes import TorchScheme as Scheme
 
 PERCENTILE_SAMPLE = 1 << 18  # input values kept per Linear and batch for percentile ranges

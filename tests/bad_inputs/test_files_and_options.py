@@ -165,7 +165,7 @@ def test_text_too_short_for_a_window(good_model, tmp_path):
 
 
 def test_output_over_input_refused(good_model):
-    from quantgate.checkpoint import load_checkpoint, save_checkpoint
+    from quantgate.formats import load_checkpoint, save_checkpoint
     from quantgate.errors import QuantgateError
     loaded = load_checkpoint(good_model)
     before = dir_snapshot(good_model)
@@ -180,7 +180,7 @@ def test_output_over_input_refused(good_model):
 def gguf_files(tmp_path_factory):
     import struct
 
-    from quantgate.checkpoint import save_checkpoint
+    from quantgate.formats import save_checkpoint
     from quantgate.export.gguf import export_checkpoint, export_gguf
     from quantgate.model import build_model, preset
     d = tmp_path_factory.mktemp("gguf")
@@ -248,7 +248,7 @@ def test_gguf_quantize_refuses_requantizing_gate_bits_without_gate_and_overwriti
 
 
 def test_gguf_export_bad_inputs(gguf_files, tmp_path):
-    from quantgate.checkpoint import save_checkpoint
+    from quantgate.formats import save_checkpoint
     from quantgate.model import build_model, preset
     notok = tmp_path / "notok"
     save_checkpoint(build_model(preset("tiny", vocab_size=300), seed=0), notok)
@@ -278,7 +278,7 @@ def onnx_dirs(tmp_path_factory):
     import onnx
     from onnx import TensorProto, helper
 
-    from quantgate.checkpoint import save_checkpoint
+    from quantgate.formats import save_checkpoint
     from quantgate.export.onnx import export_checkpoint
     from quantgate.model import build_model, preset
     d = tmp_path_factory.mktemp("onnxbad")
@@ -406,7 +406,7 @@ def test_a_weights_file_the_address_space_cannot_map_gives_one_line(tmp_path):
     import sys
     import tempfile
     src = tmp_path / "src"
-    from quantgate.checkpoint import save_checkpoint
+    from quantgate.formats import save_checkpoint
     from quantgate.model import build_model, preset
     save_checkpoint(build_model(preset("tiny", vocab_size=300)), src, byte_tokenizer())
     d = tmp_path / "big"

@@ -207,7 +207,7 @@ def test_ctrl_c_to_the_process_group_during_report_then_resume(twins, tmp_path):
     before = tree_snapshot(twins)
     out = tmp_path / "rep"
     p = _start(*_report_args(twins, out), env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
-    _wait_for(p, lambda: any("quantgate.llama_worker" in c or "quantgate.gguf_quantize" in c
+    _wait_for(p, lambda: any("quantgate.llama_worker" in c or "quantgate.quant.llama_cpp" in c
                              for _, c in _children(p.pid)), "a llama.cpp worker or quantizer child")
     _assert_interrupted(*_finish(p, signal.SIGINT, group=True), 130)
     assert tree_snapshot(twins) == before

@@ -21,7 +21,7 @@ CONTEXT = 512  # the tiny preset's max_seq_len, which the twins below keep
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    from quantgate.quantize import quantize_checkpoint
+    from quantgate.quant.torch_backend import quantize_checkpoint
     from quantgate.formats import save_checkpoint
     from quantgate.model import build_model, hybrid, preset
     from quantgate.tokenizer import byte_tokenizer

@@ -40,8 +40,8 @@ WRONG = [None, True, False, -1, 0, 1, 3, 2 ** 40, 2 ** 70, 1.5, -1e30, float("na
 def base(tmp_path_factory):
     from quantgate.export.gguf import export_checkpoint as export_gguf
     from quantgate.export.onnx import export_checkpoint as export_onnx
-    from quantgate.gguf_quantize import quantize_gguf
-    from quantgate.quantize import quantize_checkpoint
+    from quantgate.quant.llama_cpp import quantize_gguf
+    from quantgate.quant.torch_backend import quantize_checkpoint
     d = save_tiny_twins(tmp_path_factory.mktemp("fuzz-base"), "t.txt")
     quantize_checkpoint(str(d / "gated"), "w8a8-static", str(d / "gated-w8a8"), str(d / "t.txt"), 2, 32)
     export_gguf(d / "gated", d / "gated-F32.gguf", "f32")

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from .errors import QuantgateError
-from .model import Model, attention_only
-from .quant.schemes import names
-from .runners import torch_device
+from ..errors import QuantgateError
+from ..model import Model, attention_only
+from .schemes import names
+from ..runners import torch_device
 
 TORCHAO_KINDS = tuple(names("torchao"))  # the registry's torchao entries
 

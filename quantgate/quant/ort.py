@@ -12,7 +12,7 @@ a tied model's head reads that one table (onnx_weight_only.shared_head): at Qwen
 was half the int4 file. The int8 activation schemes leave the table float and give a tied head its own copy.
 
 The MatMulNBits schemes run ORT's own per-node quantizer on one weight at a time, read from the export's external
-data and written out at once (quantgate.onnx_weight_only: the bytes MatMulNBitsQuantizer writes, at the memory of
+data and written out at once (quantgate.quant.ort_weight_only: the bytes MatMulNBitsQuantizer writes, at the memory of
 one weight); the int8 activation schemes use ORT's whole-graph tools.
 
 MatMulNBits always gets accuracy_level=4 (int8 activations inside the kernel on CPU: without it, int4
@@ -31,16 +31,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .calib_data import calibration_windows, check_ctx, data_paths
-from .errors import QuantgateError
-from .formats.hf import available_memory
-from .formats.onnx import onnx_context
-from .formats.onnx_io import INLINE_LIMIT, LOGITS_TO_KEEP, check_graph, check_written, onnx_bytes, read_meta, resolve_onnx, save_onnx
-from .fsio import atomic_dir, check_output
-from .onnx_weight_only import UNTIED, quantize_weight_only, tied_head
-from .quant.schemes import ONNX_SCHEMES, with_gate_bits
-from .runners import OrtRunner
-from .tokenizer import load_tokenizer
+from ..calib_data import calibration_windows, check_ctx, data_paths
+from ..errors import QuantgateError
+from ..formats.hf import available_memory
+from ..formats.onnx import onnx_context
+from ..formats.onnx_io import INLINE_LIMIT, LOGITS_TO_KEEP, check_graph, check_written, onnx_bytes, read_meta, resolve_onnx, save_onnx
+from ..fsio import atomic_dir, check_output
+from .ort_weight_only import UNTIED, quantize_weight_only, tied_head
+from .schemes import ONNX_SCHEMES, with_gate_bits
+from ..runners import OrtRunner
+from ..tokenizer import load_tokenizer
 
 # the registry's ONNX recipes this function runs (fp32 is the export itself; +gate8 is `gate_bits=8`)
 SCHEMES = tuple(s.name for s in ONNX_SCHEMES if s.tool != "export" and s.keep is None)

@@ -1,24 +1,21 @@
-"""`quantgate quantize --backend torch`: load a model, calibrate on held-out text, quantize it, save it.
+"""The PyTorch backend of `quantgate quantize`: load a model, calibrate on held-out text, quantize it, save it.
 
-The simulation itself (QuantLinear swaps, calibration, saved-scheme reload) lives in `quantgate.quant.simulate`;
-its names are re-exported here for one release (`quantgate.quantize.quantize_`, `block_linears`, ...).
+The simulation itself (QuantLinear swaps, calibration, saved-scheme reload) lives in `quantgate.quant.simulate`.
 """
 from __future__ import annotations
 
-from .calib_data import calibration_windows, check_ctx, data_paths
-from .errors import QuantgateError
-from .formats import artifact_kind, load_checkpoint, save_checkpoint
-from .formats.hf import layout_for, open_hf
-from .fsio import check_output
-from .layerwise import needs_layerwise
-from .layouts import DEFAULT_LAYOUT_FOR_GATE
-from .quant.layerwise import quantize_layerwise
-from .quant.schemes import TorchScheme, get
-from .quant.simulate import (Calibration, apply_saved_quantization, block_bits_per_weight, block_linears, calibrate,
-                             quantize_, saved_quantization)
+from ..calib_data import calibration_windows, check_ctx, data_paths
+from ..errors import QuantgateError
+from ..formats import artifact_kind, load_checkpoint, save_checkpoint
+from ..formats.hf import layout_for, open_hf
+from ..fsio import check_output
+from ..layerwise import needs_layerwise
+from ..layouts import DEFAULT_LAYOUT_FOR_GATE
+from .layerwise import quantize_layerwise
+from .schemes import TorchScheme, get
+from .simulate import quantize_, saved_quantization
 
-__all__ = ["quantize_checkpoint", "Calibration", "apply_saved_quantization", "block_bits_per_weight",
-           "block_linears", "calibrate", "calibration_windows", "quantize_", "saved_quantization"]
+__all__ = ["quantize_checkpoint"]
 
 
 def quantize_checkpoint(model_path: str, scheme: str | TorchScheme, out: str, calib_data: str = "embedded",

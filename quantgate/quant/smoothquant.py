@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .model import Model
-from .capture import capture
+from ..model import Model
+from ..capture import capture
 
 
 def _groups(model: Model):

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .formats.onnx_io import EXTERNAL_DATA, INLINE_LIMIT, DataWriter, save_onnx
-from .formats.onnx_io import external as _external, raw_bytes as _raw
-from .memory import release_freed
-from .progress import track
+from ..formats.onnx_io import EXTERNAL_DATA, INLINE_LIMIT, DataWriter, save_onnx
+from ..formats.onnx_io import external as _external, raw_bytes as _raw
+from ..memory import release_freed
+from ..progress import track
 
 CHUNK = 64 << 20  # bytes written at a time when a tied head is transposed
 UNTIED = "model.lm_head.weight_T"

@@ -23,14 +23,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .calib_data import calibration_windows, check_ctx, data_paths
-from .capture import capture
-from .errors import DiskFull, QuantgateError
-from .formats import load_checkpoint
-from .formats.gguf import inspect_gguf
-from .formats.gguf_layout import EXPERT_TENSORS, GGUF_ARCHS, LINEAR_TO_GGUF, tiled_heads
-from .fsio import atomic_path, check_output
-from .quant.schemes import GGUF_FILE_TYPES, NEEDS_IMATRIX, ggml_type, llama_file_type, with_gate_bits
+from ..calib_data import calibration_windows, check_ctx, data_paths
+from ..capture import capture
+from ..errors import DiskFull, QuantgateError
+from ..formats import load_checkpoint
+from ..formats.gguf import inspect_gguf
+from ..formats.gguf_layout import EXPERT_TENSORS, GGUF_ARCHS, LINEAR_TO_GGUF, tiled_heads
+from ..fsio import atomic_path, check_output
+from .schemes import GGUF_FILE_TYPES, NEEDS_IMATRIX, ggml_type, llama_file_type, with_gate_bits
 
 # llama.cpp file types that `quantgate quantize` offers -> enum llama_ftype (gguf-py's LlamaFileType)
 FILE_TYPES = {t: llama_file_type(t) for t in GGUF_FILE_TYPES}

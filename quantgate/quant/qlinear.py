@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import QuantgateError
+from ..errors import QuantgateError
 
 
 def quantize_weight(w: torch.Tensor, bits: int, group_size: int | None = None) -> torch.Tensor:
