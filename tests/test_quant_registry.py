@@ -115,3 +115,30 @@ def test_the_keep_scope_names_gated_deltanet_layers_only_for_a_hybrid(tmp_path):
     assert not any("Gated DeltaNet" in w for w in words["dense"]) and words["dense"]
     assert any(w.endswith(", and every Gated DeltaNet's output-gate projection (in_proj_z)") for w in words["hybrid"])
     assert not any("in a hybrid" in w for w in words["hybrid"])
+
+
+def test_each_backend_runs_the_config_object_it_is_given():
+    """quant.build hands each backend the scheme's config object; what runs is read from its fields (a hand-made
+    config with another keep scope is refused by the backend, not silently run as its name's registry entry)."""
+    from dataclasses import replace
+
+    import pytest
+
+    from quantgate.errors import QuantgateError
+    from quantgate.quant import KeepAt
+    from quantgate.quant.llama_cpp import gguf_scheme
+    from quantgate.quant.ort import onnx_scheme
+    g = get("gguf", "Q4_K_M+gate8")
+    assert gguf_scheme(g) is g and gguf_scheme("q4_k_m", gate_bits=8) == g
+    assert gguf_scheme("Q4_K_M", imatrix="auto").imatrix
+    with pytest.raises(QuantgateError, match="keeps gate at 8 bits"):
+        gguf_scheme(replace(g, keep=KeepAt(8, "gate")))  # a GGUF stores q and gate rows in one tensor
+    with pytest.raises(QuantgateError, match="KV-cache type chosen at run time"):
+        gguf_scheme(get("gguf", "kv-q8_0"))
+    o = get("onnx", "int4+gate8")
+    assert onnx_scheme(o).keep == o.keep and onnx_scheme("int4", gate_bits=8).keep == o.keep
+    assert onnx_scheme(o, block_size=64).block_size == 64
+    with pytest.raises(QuantgateError, match="keeps q_and_gate at 4 bits"):
+        onnx_scheme(replace(o, keep=KeepAt(4, "q_and_gate")))
+    with pytest.raises(QuantgateError, match="export itself"):
+        onnx_scheme(get("onnx", "fp32"))

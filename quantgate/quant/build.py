@@ -1,8 +1,9 @@
 """`quantize(source, scheme, out)`: one door to every backend's quantizer, chosen by the scheme's type.
 
 torchao's `quantize_` dispatches on `type(config)` through a handler table; this is the same move for
-whole artifacts: a TorchScheme writes a model directory (quantgate.quant.torch_backend, PyTorch), an OnnxScheme an ONNX
-directory (onnxruntime.quantization), a GgufScheme a .gguf (llama.cpp's quantizer). `quantgate quantize`
+whole artifacts: a TorchScheme writes a model directory (quant.torch_backend, PyTorch), an OnnxScheme an ONNX
+directory (quant.ort, onnxruntime.quantization), a GgufScheme a .gguf (quant.llama_cpp, llama.cpp's quantizer). Each
+backend receives the config object itself and reads its fields, the keep override's bits and scope included. `quantgate quantize`
 and the report's cells both call it, so a report cell's artifact is exactly what the CLI would write.
 """
 from __future__ import annotations
@@ -32,18 +33,12 @@ def _torch(src, s: TorchScheme, out, c: CalibSettings, threads, layerwise=None) 
 
 
 def _onnx(src, s: OnnxScheme, out, c: CalibSettings, threads) -> dict:
-    if s.tool == "export":
-        raise QuantgateError("onnx:fp32 is the export itself: write it with quantgate export onnx")
-    return quantize_onnx(src, out, s.base, s.keep.bits if s.keep else None, s.block_size or 32, c.data, c.windows,
-                         c.ctx, c.seed)
+    return quantize_onnx(src, out, s, calib_data=c.data, calib_windows=c.windows, ctx=c.ctx, seed=c.seed)
 
 
 def _gguf(src, s: GgufScheme, out, c: CalibSettings, threads) -> dict:
-    if s.kv_type:
-        raise QuantgateError(f"gguf:{s.name} is a KV-cache type chosen at run time: quantgate eval/generate "
-                             f"MODEL.gguf --kv-type {s.kv_type}")
-    return quantize_gguf(src, out, s.file_type, "auto" if s.imatrix else None, s.keep.bits if s.keep else None,
-                         c.data, c.windows, c.ctx, c.seed, threads)
+    return quantize_gguf(src, out, s, calib_data=c.data, calib_windows=c.windows, ctx=c.ctx, seed=c.seed,
+                         threads=threads)
 
 
 def _torchao(src, s: TorchaoScheme, out, c: CalibSettings, threads) -> dict:

@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -30,11 +31,10 @@ from ..formats import load_checkpoint
 from ..formats.gguf import inspect_gguf
 from ..formats.gguf_layout import EXPERT_TENSORS, GGUF_ARCHS, LINEAR_TO_GGUF, tiled_heads
 from ..fsio import atomic_path, check_output
-from .schemes import GGUF_FILE_TYPES, NEEDS_IMATRIX, ggml_type, llama_file_type, with_gate_bits
+from .schemes import GGUF_FILE_TYPES, NEEDS_IMATRIX, GgufScheme, ggml_type, llama_file_type, with_gate_bits
 
 # llama.cpp file types that `quantgate quantize` offers -> enum llama_ftype (gguf-py's LlamaFileType)
 FILE_TYPES = {t: llama_file_type(t) for t in GGUF_FILE_TYPES}
-GGML_Q8_0 = ggml_type("q8_0")
 # KeepAt scope q_and_gate as a regex over tensor names: qwen35 fuses q and gate rows in attn_q, so the whole
 # q|gate projection is the only scope a GGUF can keep (not attn_q_norm, not attn_qkv)
 GATE_PATTERN = r"attn_q\.weight"
@@ -43,6 +43,35 @@ GATE_PATTERN = r"attn_q\.weight"
 # keep them high (ssm_conv1d llama.cpp never quantizes).
 HYBRID_GATE_PATTERN = r"attn_(q|gate)\.weight"
 HYBRID_KEPT = [[r"ssm_(alpha|beta)\.weight", "Q8_0"]]
+
+
+def gguf_scheme(scheme: GgufScheme | str, imatrix: str | None = None, gate_bits: int | None = None) -> GgufScheme:
+    """The config a quantization runs: a registry config as given, or a file type's (its +gate8 variant for
+    `gate_bits`, an importance matrix for `imatrix="auto"`). Checked here, in one line each: a KV-cache type is
+    chosen at run time, some types need an importance matrix, and a keep override is 8-bit over the whole
+    attn_q tensor (q|gate, the one scope a GGUF that stores q and gate rows together can hold)."""
+    if isinstance(scheme, str):
+        if imatrix not in (None, "auto"):
+            raise QuantgateError(f"--imatrix must be 'auto' (computed from --calib-data), got {imatrix!r}")
+        s = with_gate_bits("gguf", scheme.upper(), gate_bits)  # the registry says which types take a gate override
+        s = replace(s, imatrix=True) if imatrix else s
+    elif isinstance(scheme, GgufScheme):
+        if imatrix is not None or gate_bits is not None:
+            raise QuantgateError("imatrix and gate_bits come with a type's name; a registry config says its own")
+        s = scheme
+    else:
+        raise QuantgateError(f"not a GGUF scheme: {scheme!r}")
+    if s.kv_type:
+        raise QuantgateError(f"gguf:{s.name} is a KV-cache type chosen at run time: quantgate eval/generate "
+                             f"MODEL.gguf --kv-type {s.kv_type}")
+    if s.file_type not in FILE_TYPES:
+        raise QuantgateError(f"unknown GGUF type {s.file_type!r}; choose from {', '.join(FILE_TYPES)}")
+    if s.file_type in NEEDS_IMATRIX and not s.imatrix:
+        raise QuantgateError(f"{s.file_type} needs an importance matrix: add --imatrix auto")
+    if s.keep and (s.keep.bits != 8 or s.keep.scope != "q_and_gate"):
+        raise QuantgateError(f"gguf:{s.name} keeps {s.keep.scope} at {s.keep.bits} bits: a GGUF keeps the whole "
+                             f"q|gate tensor (q_and_gate) at 8 bits")
+    return s
 
 
 def importance_matrix(model, windows: np.ndarray, batch: int = 4) -> dict[str, np.ndarray]:
@@ -101,18 +130,15 @@ def _expert_slot(rest: str) -> tuple[str, int] | None:
     return None
 
 
-def quantize_gguf(src: str | Path, out: str | Path, qtype: str, imatrix: str | None = None, gate_bits: int | None = None,
-                  calib_data: str = "embedded", calib_windows: int = 32, ctx: int = 256, seed: int = 0,
-                  threads: int | None = None) -> dict:
-    """Quantize `src` (an F32/F16/BF16 GGUF) to `out`. Returns the tensor types and sizes of the result."""
-    qtype = qtype.upper()
-    if qtype not in FILE_TYPES:
-        raise QuantgateError(f"unknown GGUF type {qtype!r}; choose from {', '.join(FILE_TYPES)}")
-    if imatrix not in (None, "auto"):
-        raise QuantgateError(f"--imatrix must be 'auto' (computed from --calib-data), got {imatrix!r}")
-    with_gate_bits("gguf", qtype, gate_bits)  # the registry says which types take a gate override
-    if qtype in NEEDS_IMATRIX and imatrix is None:
-        raise QuantgateError(f"{qtype} needs an importance matrix: add --imatrix auto")
+def quantize_gguf(src: str | Path, out: str | Path, scheme: GgufScheme | str, imatrix: str | None = None,
+                  gate_bits: int | None = None, calib_data: str = "embedded", calib_windows: int = 32, ctx: int = 256,
+                  seed: int = 0, threads: int | None = None) -> dict:
+    """Quantize `src` (an F32/F16/BF16 GGUF) to `out`. Returns the tensor types and sizes of the result.
+
+    `scheme`: the registry's config (`quantgate.quant.get("gguf", "Q4_K_M+gate8")`), whose file type, importance
+    matrix and keep override are what runs; or a file type's name, with `imatrix="auto"` and `gate_bits`."""
+    s = gguf_scheme(scheme, imatrix, gate_bits)
+    qtype, gate_bits, imatrix = s.file_type, s.keep.bits if s.keep else None, "auto" if s.imatrix else None
     src, out = Path(src), Path(out)
     info = inspect_gguf(src)
     if info.file_type not in ("F32", "F16", "BF16"):
@@ -130,7 +156,7 @@ def quantize_gguf(src: str | Path, out: str | Path, qtype: str, imatrix: str | N
 
     hybrid = bool(info.recurrent_layers)
     kept = [[p, ggml_type(t)] for p, t in HYBRID_KEPT] if hybrid else []
-    gate = [[HYBRID_GATE_PATTERN if hybrid else GATE_PATTERN, GGML_Q8_0]] if gate_bits else []
+    gate = [[HYBRID_GATE_PATTERN if hybrid else GATE_PATTERN, ggml_type(f"Q{s.keep.bits}_0")]] if s.keep else []
     request = {"src": str(src), "ftype": FILE_TYPES[qtype], "threads": threads or 0, "overrides": gate + kept}
     with atomic_path(out, "gguf") as tmp, tempfile.TemporaryDirectory() as work:
         request["dst"] = str(tmp)

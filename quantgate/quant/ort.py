@@ -27,6 +27,7 @@ import json
 import logging
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -37,13 +38,11 @@ from ..formats.hf import available_memory
 from ..formats.onnx import onnx_context
 from ..formats.onnx_io import INLINE_LIMIT, LOGITS_TO_KEEP, check_graph, check_written, onnx_bytes, read_meta, resolve_onnx, save_onnx
 from ..fsio import atomic_dir, check_output
-from .ort_weight_only import UNTIED, quantize_weight_only, tied_head
-from .schemes import ONNX_SCHEMES, with_gate_bits
 from ..runners import OrtRunner
 from ..tokenizer import load_tokenizer
+from .ort_weight_only import UNTIED, quantize_weight_only, tied_head
+from .schemes import OnnxScheme, with_gate_bits
 
-# the registry's ONNX recipes this function runs (fp32 is the export itself; +gate8 is `gate_bits=8`)
-SCHEMES = tuple(s.name for s in ONNX_SCHEMES if s.tool != "export" and s.keep is None)
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -107,14 +106,15 @@ def untie_lm_head(model) -> bool:
     return True
 
 
-WHOLE_GRAPH = ("int8-dynamic", "int8-static")
+WHOLE_GRAPH = ("dynamic", "static")  # the tools that load the whole graph
 
 
-def check_whole_graph_fits(model_dir: Path, scheme: str) -> None:
+def check_whole_graph_fits(model_dir: Path, s: OnnxScheme) -> None:
     """ORT's quantize_dynamic / quantize_static load the whole fp32 graph and build the quantized copy beside it: refuse
     one whose export is over half the memory available (a lower bound on what they hold), before anything is read."""
-    if scheme not in WHOLE_GRAPH:
+    if s.tool not in WHOLE_GRAPH:
         return
+    scheme = s.base
     size, avail = onnx_bytes(model_dir), available_memory()
     if avail is not None and 2 * size > avail:
         raise QuantgateError(f"{model_dir}: {scheme} runs onnxruntime.quantization on the whole graph, which holds the "
@@ -123,7 +123,7 @@ def check_whole_graph_fits(model_dir: Path, scheme: str) -> None:
                              f"one MatMul at a time")
 
 
-def _whole_graph(path: Path, dst: Path, work: Path, scheme: str, kept: list[str], windows) -> None:
+def _whole_graph(path: Path, dst: Path, work: Path, s: OnnxScheme, kept: list[str], windows) -> None:
     """int8-dynamic and int8-static: onnxruntime.quantization's own tools, which read and write the whole graph."""
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_dynamic, quantize_static
@@ -136,7 +136,7 @@ def _whole_graph(path: Path, dst: Path, work: Path, scheme: str, kept: list[str]
         save_onnx(graph, src)
     del graph
     big = onnx_bytes(src.parent) > INLINE_LIMIT
-    if scheme == "int8-dynamic":
+    if s.tool == "dynamic":
         quantize_dynamic(str(src), str(dst), op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8,
                          nodes_to_exclude=kept, use_external_data_format=big,
                          extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT})
@@ -149,15 +149,14 @@ def _whole_graph(path: Path, dst: Path, work: Path, scheme: str, kept: list[str]
                         nodes_to_exclude=kept, use_external_data_format=big, extra_options={"MatMulConstBOnly": True})
 
 
-def quantize_onnx(src: str | Path, out_dir: str | Path, scheme: str, gate_bits: int | None = None,
-                  block_size: int = 32, calib_data: str = "embedded", calib_windows: int = 16, ctx: int = 128,
+def quantize_onnx(src: str | Path, out_dir: str | Path, scheme: OnnxScheme | str, gate_bits: int | None = None,
+                  block_size: int | None = None, calib_data: str = "embedded", calib_windows: int = 16, ctx: int = 128,
                   seed: int = 0) -> dict:
-    """Quantize the ONNX decoder at `src` (a directory or model.onnx) into `out_dir`. Returns a summary."""
-    if scheme not in SCHEMES:
-        raise QuantgateError(f"unknown ONNX scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
-    with_gate_bits("onnx", scheme, gate_bits)  # the registry says which schemes take a gate override
-    if block_size not in (16, 32, 64, 128, 256):
-        raise QuantgateError(f"--block-size must be 16, 32, 64, 128 or 256, got {block_size}")
+    """Quantize the ONNX decoder at `src` (a directory or model.onnx) into `out_dir`. Returns a summary.
+
+    `scheme`: the registry's config (`quantgate.quant.get("onnx", "int4+gate8")`), whose tool, bits, block size and
+    keep override are what runs; or a base name, with `gate_bits` for its +gate8 variant and `block_size`."""
+    s = onnx_scheme(scheme, gate_bits, block_size)
     path, model_dir = resolve_onnx(src)
     graph, _ = check_graph(path)
     meta = read_meta(model_dir)
@@ -166,15 +165,15 @@ def quantize_onnx(src: str | Path, out_dir: str | Path, scheme: str, gate_bits: 
     if meta.get("dtype") == "fp16":
         raise QuantgateError(f"{path} is an fp16 export; quantize the fp32 export")
     gates, kept = gate_matmuls(graph), kept_float_matmuls(graph)
-    if gate_bits and not gates:
+    if s.keep and not gates:
         raise QuantgateError(f"{path} has no gate projection (fused q|gate or a Gated DeltaNet's in_proj_z): "
                              f"--gate-bits applies to gated models")
     out_dir = Path(out_dir)
-    check_output(out_dir, "onnx", (model_dir, *data_paths(calib_data if scheme == "int8-static" else None)))
+    check_output(out_dir, "onnx", (model_dir, *data_paths(calib_data if s.needs_calibration else None)))
 
-    check_whole_graph_fits(model_dir, scheme)
+    check_whole_graph_fits(model_dir, s)
     windows = None
-    if scheme == "int8-static":
+    if s.needs_calibration:
         check_ctx(ctx, onnx_context(model_dir), src)
         tok = load_tokenizer(model_dir, meta.get("bos_id"), meta.get("eos_id"))
         windows = calibration_windows(tok, calib_data, calib_windows, ctx, seed)
@@ -187,37 +186,65 @@ def quantize_onnx(src: str | Path, out_dir: str | Path, scheme: str, gate_bits: 
     for lg in loggers:
         lg.setLevel(logging.ERROR)
     try:
-        _run(path, out_dir, scheme, gate_bits, block_size, gates, kept, windows, model_dir, meta)
+        _run(path, out_dir, s, gates, kept, windows, model_dir, meta)
     finally:
         for lg, lv in zip(loggers, levels):
             lg.setLevel(lv)
     size = onnx_bytes(out_dir)
-    return {"src": str(path), "out": str(out_dir), "scheme": scheme, "gate_bits": gate_bits, "block_size": block_size,
-            "bytes": size, "src_bytes": onnx_bytes(model_dir), "gate_matmuls": len(gates), "kept_float": kept}
+    return {"src": str(path), "out": str(out_dir), "scheme": s.base, "gate_bits": s.keep.bits if s.keep else None,
+            "block_size": s.block_size, "bytes": size, "src_bytes": onnx_bytes(model_dir), "gate_matmuls": len(gates),
+            "kept_float": kept}
 
 
-def _run(path: Path, out_dir: Path, scheme: str, gate_bits, block_size: int, gates: list[str], kept: list[str],
-         windows, model_dir: Path, meta: dict) -> None:
+def onnx_scheme(scheme: OnnxScheme | str, gate_bits: int | None = None, block_size: int | None = None) -> OnnxScheme:
+    """The config a quantization runs: a registry config as given, or a base name's (with its +gate8 variant for
+    `gate_bits`); `block_size` replaces the config's. Checked here, in one line each: the ONNX export is the fp32
+    scheme itself, block sizes are ORT's, and a keep override is 8-bit over the fused q|gate projection (the one
+    scope an export that fuses q and gate rows can hold)."""
+    if isinstance(scheme, str):
+        s = with_gate_bits("onnx", scheme, gate_bits)
+    elif isinstance(scheme, OnnxScheme):
+        if gate_bits is not None:
+            raise QuantgateError("gate_bits comes with a scheme's name; a registry config says its own keep override")
+        s = scheme
+    else:
+        raise QuantgateError(f"not an ONNX scheme: {scheme!r}")
+    if s.tool == "export":
+        raise QuantgateError("onnx:fp32 is the export itself: write it with quantgate export onnx")
+    if block_size is not None:
+        s = replace(s, block_size=block_size)
+    if s.block_size is None:
+        s = replace(s, block_size=32)  # the int8 tools have no blocks; the summary keeps the field's old value
+    if s.block_size not in (16, 32, 64, 128, 256):
+        raise QuantgateError(f"--block-size must be 16, 32, 64, 128 or 256, got {s.block_size}")
+    if s.keep and (s.keep.bits != 8 or s.keep.scope != "q_and_gate" or s.tool != "nbits"):
+        raise QuantgateError(f"onnx:{s.name} keeps {s.keep.scope} at {s.keep.bits} bits: an ONNX export keeps the "
+                             f"fused q|gate projection (q_and_gate) at 8 bits, in the int4 scheme only")
+    return s
+
+
+def _run(path: Path, out_dir: Path, s: OnnxScheme, gates: list[str], kept: list[str], windows, model_dir: Path,
+         meta: dict) -> None:
     with atomic_dir(out_dir, "onnx") as tmp, tempfile.TemporaryDirectory() as work:
         dst = tmp / "model.onnx"
         try:
-            if scheme in ("int8-weight", "int4"):  # one MatMul at a time (onnx_weight_only), ORT's kernels
-                skip, eight = set(kept), set(gates) if gate_bits else set()
-                base = 8 if scheme == "int8-weight" else 4
-                quantize_weight_only(path, dst, lambda n: None if n in skip else 8 if n in eight else base, block_size,
-                                     embed_bits=base)
+            if s.tool == "nbits":  # one MatMul at a time (ort_weight_only), ORT's kernels
+                skip, kept_at = set(kept), {n: s.keep.bits for n in gates} if s.keep else {}
+                quantize_weight_only(path, dst, lambda n: None if n in skip else kept_at.get(n, s.weight_bits),
+                                     s.block_size, embed_bits=s.weight_bits)
             else:
-                _whole_graph(path, dst, Path(work), scheme, kept, windows)
+                _whole_graph(path, dst, Path(work), s, kept, windows)
         except (QuantgateError, OSError):
             raise
         except Exception as e:  # onnxruntime.quantization on a graph it cannot handle: one line, not its traceback
             msg = (str(e).strip().splitlines() or [""])[0][:160]
-            raise QuantgateError(f"onnxruntime.quantization could not quantize {path} ({scheme}): "
+            raise QuantgateError(f"onnxruntime.quantization could not quantize {path} ({s.base}): "
                                  f"{type(e).__name__}: {msg}") from None
         for f in SIDE_FILES:
             if (model_dir / f).is_file():
                 shutil.copy2(model_dir / f, tmp / f)
-        meta = {**meta, "quantization": {"scheme": scheme, "gate_bits": gate_bits, "block_size": block_size,
+        meta = {**meta, "quantization": {"scheme": s.base, "gate_bits": s.keep.bits if s.keep else None,
+                                         "block_size": s.block_size,
                                          "calibration_windows": 0 if windows is None else len(windows),
                                          "source": str(path)}}
         (tmp / "quantgate.json").write_text(json.dumps(meta, indent=2) + "\n")
