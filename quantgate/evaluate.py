@@ -16,23 +16,18 @@ import numpy as np
 from .calib_data import check_ctx, default_split, eval_windows, load_corpus, tokenize_corpus, window_documents
 from .errors import QuantgateError
 from .formats import artifact_kind, load_checkpoint
-from .formats.gguf import check_finite_weights, forget_readers, inspect_gguf, open_reader, tokenizer_from_gguf
 from .formats.hf import open_hf
-from .layerwise import LayerwiseRunner, check_layerwise_applies, iter_logits, needs_layerwise
-from .formats.onnx import check_finite_initializers, onnx_context
-from .formats.onnx_io import onnx_bytes, read_meta, resolve_onnx
+from .layerwise import iter_logits
 from .metrics import kld_summary, layer_sqnr, token_nll, window_scores
 from .progress import track
 from .reference import REFERENCE_WINDOWS, reference_logits
+from .runners import Runner
+from .runners.open import fixed_ctx, open_runner
 from .stats import cell_intervals
-from .runners import LlamaRunner, OrtRunner, Runner, TorchRunner
-from .runners.kv import ROUNDED_KV_TYPES, kv_bits_for
-from .tokenizer import load_tokenizer
-from .quant.torchao_backend import quantize_torchao_
 
 # eval_windows, default_split and check_ctx (the split and window policy) live in quantgate.calib_data and
 # token_nll in quantgate.metrics; re-exported here for one release
-__all__ = ["PerplexityResult", "compare_to_reference", "evaluate_model", "open_model", "perplexity",
+__all__ = ["PerplexityResult", "compare_to_reference", "evaluate_model", "perplexity",
            "reference_logits", "check_ctx", "default_split", "eval_windows", "token_nll"]
 
 
@@ -80,70 +75,6 @@ def tokenizers_match(a, b, sample: str) -> bool:
     return a.encode(sample) == b.encode(sample) and (a.bos_id, a.eos_id) == (b.bos_id, b.eos_id)
 
 
-def open_model(model_path: str, device: str = "cpu", torchao: str | None = None, kv_type: str = "f32",
-               ctx: int = 256, threads: int | None = None, layerwise: bool | None = None):
-    """(runner, tokenizer, backend name, extra) for a model directory (PyTorch), a .gguf file (llama.cpp) or an
-    ONNX export (ONNX Runtime). Windows of `ctx` tokens must fit the model's context; weights must be finite. A
-    float model directory too large for memory (or any, with `layerwise=True`) runs block by block."""
-    kind = artifact_kind(model_path)
-    check_layerwise_applies(layerwise, kind, model_path)
-    if kind == "gguf":
-        if torchao:
-            raise QuantgateError("--torchao applies to PyTorch model directories, not GGUF files")
-        check_ctx(ctx, inspect_gguf(model_path).context_length, model_path)
-        check_finite_weights(model_path)
-        tok = tokenizer_from_gguf(open_reader(model_path))
-        runner = LlamaRunner(model_path, n_ctx=ctx, kv_type=kv_type, threads=threads, device=device)
-        forget_readers()  # the metadata is read: the reader's objects would ride along the whole evaluation
-        return runner, tok, f"llama.cpp:{runner.info.file_type}", {"kv_type": kv_type, "gguf_bytes": runner.info.n_bytes,
-                                                                  "kv_rotation": runner.kv_rotation["reading"]}
-    if kind == "onnx":
-        if torchao:
-            raise QuantgateError("--torchao applies to PyTorch model directories, not ONNX exports")
-        onnx_path, model_dir = resolve_onnx(model_path)
-        meta = read_meta(model_dir)
-        check_ctx(ctx, onnx_context(model_dir), model_path)
-        runner = OrtRunner(model_path, device, threads, kv_bits=kv_bits_for(kv_type, "ONNX Runtime"))
-        check_finite_initializers(onnx_path)
-        tok = load_tokenizer(model_dir, meta.get("bos_id"), meta.get("eos_id"))
-        if tok.vocab_size > (runner.vocab_size or tok.vocab_size):
-            raise QuantgateError(f"{model_dir}/tokenizer.json has {tok.vocab_size} tokens but the graph's logits have "
-                                 f"only {runner.vocab_size} (tokenizer/vocab mismatch)")
-        scheme = (meta.get("quantization") or {}).get("scheme") or meta.get("dtype", "fp32")
-        return runner, tok, f"onnxruntime:{scheme}", {"onnx_bytes": onnx_bytes(model_dir),
-                                                      **_kv_record(kv_type)}
-    kv_bits = kv_bits_for(kv_type, "PyTorch")
-    if layerwise and (torchao or kv_bits):
-        raise QuantgateError("--layerwise runs the model block by block as its directory holds it; it does not combine "
-                             "with --torchao or a rounded --kv-type")
-    if layerwise is not False and not torchao and not kv_bits:
-        ckpt = open_hf(model_path, must_fit_block_by_block=True)
-        if layerwise or needs_layerwise(ckpt.cfg):
-            if ckpt.tokenizer is None:
-                raise QuantgateError(f"{model_path}: no tokenizer.json, cannot tokenize evaluation text")
-            if device != "cpu":
-                raise QuantgateError(f"{model_path}: too large for memory, it is run layer by layer, on the CPU only")
-            check_ctx(ctx, ckpt.cfg.max_seq_len, model_path)
-            runner = LayerwiseRunner(ckpt)
-            kv = runner.lw.kv_bits
-            return runner, ckpt.tokenizer, "torch (layer by layer)", _kv_record(f"int{kv}") if kv else {}
-    loaded = load_checkpoint(model_path)
-    if loaded.tokenizer is None:
-        raise QuantgateError(f"{model_path}: no tokenizer.json, cannot tokenize evaluation text")
-    check_ctx(ctx, loaded.model.cfg.max_seq_len, model_path)
-    model, backend = loaded.model, "torch"
-    if torchao:
-        model, backend = quantize_torchao_(model, torchao, device), f"torchao:{torchao}"
-    runner = TorchRunner(model, device, kv_bits=kv_bits)
-    return runner, loaded.tokenizer, backend, {"loaded": loaded,
-                                               **_kv_record(f"int{runner.kv_bits}" if runner.kv_bits else kv_type)}
-
-
-def _kv_record(kv_type: str) -> dict:
-    """What a PyTorch or ONNX Runtime result says about its cache: only a rounded one is worth a field."""
-    return {"kv_cache": kv_type} if kv_type in ROUNDED_KV_TYPES else {}
-
-
 def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
                    max_windows: int | None = None, device: str = "cpu", reference: str | None = None,
                    torchao: str | None = None, kv_type: str = "f32", threads: int | None = None,
@@ -155,19 +86,16 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
     corpus = load_corpus(data).split(split)
     if not corpus.documents:
         raise QuantgateError(f"{data}: the {split} split is empty")
-    runner, tok, backend, extra = open_model(model_path, device, torchao, kv_type, ctx, threads, layerwise)
+    opened = open_runner(model_path, fixed_ctx(ctx, model_path), device, kv_type, threads, torchao=torchao,
+                         layerwise=layerwise)
+    runner, tok, backend, extra = opened.runner, opened.tokenizer, opened.backend, opened.record
     try:
         stream = tokenize_corpus(corpus, tok)
         max_windows, note = reference_window_count(reference, max_windows, len(stream.ids), ctx)
         windows = eval_windows(stream.ids, ctx, tok.bos_id, max_windows)
         out = {"model": str(model_path), "backend": backend, "device": device, "data": str(data), "split": split,
                "corpus_fingerprint": corpus.fingerprint}
-        if "kv_type" in extra:
-            out.update(kv_type=extra["kv_type"], file_bytes=extra["gguf_bytes"], kv_rotation=extra["kv_rotation"])
-        if "onnx_bytes" in extra:
-            out.update(file_bytes=extra["onnx_bytes"])
-        if "kv_cache" in extra:
-            out.update(kv_cache=extra["kv_cache"])
+        out.update(extra)  # the GGUF's KV type, rotation and bytes; the ONNX export's bytes; a rounded KV cache
         if reference is None:
             return {**out, **perplexity(runner, windows).to_dict()}
         ref_cfg, ref_tok = reference_header(reference)
@@ -185,7 +113,7 @@ def evaluate_model(model_path: str, data: str, ctx: int, split: str = "auto",
     finally:
         if hasattr(runner, "close"):
             runner.close()
-    loaded = extra.get("loaded")
+    loaded = opened.loaded
     scheme = loaded.model.cfg.extra.get("quant_scheme") if loaded else None
     if scheme and not torchao and scheme.get("smooth_alpha") is None:
         result["layer_sqnr_db"] = layer_sqnr(load_checkpoint(reference).model, loaded.model, windows[:SQNR_WINDOWS])

@@ -17,14 +17,9 @@ import torch
 
 from .bandwidth import gguf_decode_bytes, onnx_decode_bytes, read_bandwidth, torch_decode_bytes
 from .errors import QuantgateError
-from .formats import artifact_kind, load_checkpoint
-from .formats.gguf import check_finite_weights, inspect_gguf, open_reader, tokenizer_from_gguf
-from .formats.onnx import check_finite_initializers, onnx_context
-from .formats.onnx_io import read_meta, resolve_onnx
-from .runners import LlamaRunner, OrtRunner, TorchRunner
-from .runners.kv import kv_bits_for
+from .runners import LlamaRunner, OrtRunner
+from .runners.open import open_runner
 from .sampling import Done, Sampler
-from .tokenizer import load_tokenizer
 
 
 @dataclass
@@ -67,45 +62,6 @@ def _emit_tail(tok, new: list[int], prev: str, pieces: list[str], on_text) -> st
     return text
 
 
-def _open(model_path: str, kv_type: str, threads: int | None, n_ctx_for):
-    """(runner, tokenizer, context, backend name) for a GGUF, an ONNX export or a model directory. `n_ctx_for(
-    tokenizer, context)` sizes llama.cpp's context to the prompt and its budget (the others need no size)."""
-    kind = artifact_kind(model_path)
-    if kind == "gguf":
-        context = inspect_gguf(model_path).context_length
-        check_finite_weights(model_path)
-        tok = tokenizer_from_gguf(open_reader(model_path))
-        runner = LlamaRunner(model_path, n_ctx=n_ctx_for(tok, context), kv_type=kv_type, threads=threads,
-                             logits_all=False)
-        return runner, tok, context, f"llama.cpp:{runner.info.file_type} (KV {kv_type})"
-    if kind == "onnx":
-        onnx_path, model_dir = resolve_onnx(model_path)
-        meta = read_meta(model_dir)
-        context = onnx_context(model_dir)
-        tok = load_tokenizer(model_dir, meta.get("bos_id"), meta.get("eos_id"))
-        n_ctx_for(tok, context)  # the prompt must fit before anything is loaded
-        kv_bits = kv_bits_for(kv_type, "ONNX Runtime")
-        runner = OrtRunner(model_path, threads=threads, kv_bits=kv_bits)  # checks the graph first
-        try:
-            check_finite_initializers(onnx_path)
-        except BaseException:
-            runner.close()
-            raise
-        scheme = (meta.get("quantization") or {}).get("scheme") or meta.get("dtype", "fp32")
-        return runner, tok, context, f"onnxruntime:{scheme}" + (f" (KV int{kv_bits})" if kv_bits else "")
-    kv_bits = kv_bits_for(kv_type, "PyTorch")
-    loaded = load_checkpoint(model_path)
-    tok = loaded.tokenizer
-    if tok is None:
-        raise QuantgateError(f"{model_path}: no tokenizer.json, cannot encode the prompt")
-    context = loaded.model.cfg.max_seq_len
-    n_ctx_for(tok, context)
-    if threads:
-        torch.set_num_threads(threads)
-    runner = TorchRunner(loaded.model, kv_bits=kv_bits)
-    return runner, tok, context, "torch" + (f" (KV int{runner.kv_bits})" if runner.kv_bits else "")
-
-
 def generate(model_path: str, prompt: str, max_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
              kv_type: str = "f16", threads: int | None = None,
              on_text: Callable[[str], None] | None = None) -> GenerateResult:
@@ -120,7 +76,10 @@ def generate(model_path: str, prompt: str, max_tokens: int = 64, temperature: fl
         plan["budget"] = token_budget(len(plan["ids"]), max_tokens, context, model_path)
         return len(plan["ids"]) + plan["budget"]
 
-    runner, tok, context, backend = _open(model_path, kv_type, threads, n_ctx_for)
+    opened = open_runner(model_path, n_ctx_for, kv_type=kv_type, threads=threads, logits_all=False,
+                         layerwise=False)  # generation streams from a whole model
+    runner, tok, context = opened.runner, opened.tokenizer, opened.context
+    backend = opened.backend + (f" ({opened.kv})" if opened.kv else "")
     ids, budget = plan["ids"], plan["budget"]
     pieces: list[str] = []
     new: list[int] = []

@@ -177,9 +177,20 @@ REPORT_MAY_USE = {
     "quantgate.info": {"model_info", "cache_bytes"},                         # quantgate info
     "quantgate.formats": {"inspect_gguf", "load_checkpoint"},
     "quantgate.formats.onnx_io": {"onnx_bytes"},                             # an export's size on disk
-    "quantgate.runners": {"LlamaRunner", "OrtRunner", "TorchRunner"},
+    "quantgate.runners": {"TorchRunner"},                                  # the float model in memory
+    "quantgate.runners.open": {"fixed_ctx", "open_runner"},                  # any model path, as eval opens it
     "quantgate.runners.bench": {"bench"},
 }
+
+
+def test_one_function_opens_a_model_path_as_a_runner():
+    """eval, generate and the report open GGUF files, ONNX exports and model directories through
+    quantgate.runners.open alone: no other module constructs a LlamaRunner or OrtRunner from a path."""
+    constructs = sorted(f"{m}: {name}" for m in MODULES if m not in ("quantgate.runners.open",) and
+                        not m.startswith("quantgate.runners.") and m != "quantgate.runners"
+                        for name in ("LlamaRunner(", "OrtRunner(") if name in MODULES[m].read_text())
+    allowed = {"quantgate.quant.ort: OrtRunner("}  # static calibration runs the fp32 export it is quantizing
+    assert set(constructs) <= allowed, constructs
 REPORT_PLUMBING = {"quantgate.calib_data", "quantgate.errors", "quantgate.fsio", "quantgate.identity",
                    "quantgate.progress", "quantgate.stats"}  # stats: the intervals every comparison carries
 

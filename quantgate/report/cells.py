@@ -20,8 +20,9 @@ from ..info import model_info
 from ..progress import console, stage
 from ..quant import get as registry_get
 from ..quant.build import CalibSettings, quantize
-from ..runners import LlamaRunner, OrtRunner, TorchRunner
+from ..runners import TorchRunner
 from ..runners.bench import bench
+from ..runners.open import fixed_ctx, open_runner
 from .settings import BENCH_TOKENS, GATE_SURVIVAL_WINDOWS, Identity, ReportSettings
 
 BENCH_ROUNDS = 3  # timed rounds per artifact (after one warm-up round), medians reported
@@ -116,7 +117,7 @@ def onnx_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, sc
         k = ident_key("onnx", k32, scheme, ident.calibration(s) if sch.needs_calibration else None)
         art = arts.get(arts.root / "onnx" / f"{twin}-{scheme}", k, lambda p: quantize(fp32, sch, p, _calib(s)))
     ev = evaluate_model(str(art), s.data, s.ctx, max_windows=s.windows, reference=src, threads=s.threads)
-    with OrtRunner(art, threads=s.threads) as r:
+    with open_runner(str(art), fixed_ctx(BENCH_TOKENS, art), threads=s.threads).runner as r:
         speed = _speed(r, ids, "f32")
     n = load_checkpoint(src).model.num_params()
     size = onnx_bytes(art)
@@ -137,8 +138,8 @@ def gguf_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, sc
                        lambda p: quantize(f32, sch, p, _calib(s), threads=s.threads))
     ev = evaluate_model(str(art), s.data, s.ctx, max_windows=s.windows, reference=src, kv_type=kv, threads=s.threads)
     speed_kv = kv if kv != "f32" else "f16"  # llama.cpp's default: what a user runs (scored at f32 for parity)
-    with LlamaRunner(art, n_ctx=max(s.ctx, BENCH_TOKENS), kv_type=speed_kv, threads=s.threads,
-                     logits_all=False) as r:
+    with open_runner(str(art), fixed_ctx(max(s.ctx, BENCH_TOKENS), art), kv_type=speed_kv, threads=s.threads,
+                     logits_all=False).runner as r:
         speed = _speed(r, ids, speed_kv)
     info = inspect_gguf(art)
     return {**_metrics(ev), "bytes": info.n_bytes, "bits_per_weight": info.bits_per_weight, "kv_type": kv,
