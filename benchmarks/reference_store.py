@@ -8,6 +8,8 @@ vocab 248,320, tied; saved in bf16, 1.5 GB), in a fresh folder removed afterward
 2. `quantgate eval Q4_K_M.gguf --reference CKPT --max-windows 16 --json` in a child process (2 threads, the embedded
    corpus's test split, windows of 256), its own cache folder: the main process's peak RSS, the llama.cpp worker's,
    the seconds, and the bytes the reference left in the cache;
+   (peaks are each process's own VmHWM: getrusage's ru_maxrss, used until 2026-12-05, carried this script's own
+   high-water mark into the child started from it, and read 6.44 GB whatever the eval held);
 3. the exact KLD: in this process, the same 16 windows and the same Q4_K_M runner, compared by the same code
    (evaluate.compare_to_reference) against the float model's own fp32 logits from its full forward pass, a window at
    a time, instead of the stored reference; the relative difference of the KLD means, p99s and perplexities.
@@ -47,13 +49,15 @@ from quantgate.runners import LlamaRunner  # noqa: E402
 from quantgate.tokenizer import byte_tokenizer  # noqa: E402
 
 EVAL = """
-import json, resource, sys
+import json, sys
 from click.testing import CliRunner
 from quantgate.cli import main
+from quantgate.memory import peak_rss_bytes
 r = CliRunner().invoke(main, sys.argv[1:], catch_exceptions=False)
 assert r.exit_code == 0, r.output
-print(json.dumps({"result": json.loads(r.stdout), "peak_self_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                  "peak_children_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
+peak = peak_rss_bytes()  # each process's own VmHWM: ru_maxrss would carry this script's parent's peak (memory.py)
+print(json.dumps({"result": json.loads(r.stdout), "peak_self_kib": peak["quantgate"] // 1024,
+                  "peak_children_kib": peak["children"] // 1024}))
 """
 
 

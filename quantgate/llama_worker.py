@@ -81,6 +81,7 @@ def _worker(conn, path: str, n_ctx: int, kv: int, flash: bool, threads: int, log
                 return
             op = req[0]
             if op == "close":
+                conn.send(("peak", _peak_bytes()))  # ru_maxrss would carry the parent's peak (memory.py)
                 return
             if op == "logits":  # the shape, then each window's [T, V] fp32 logits as raw bytes (see LlamaRunner)
                 rows = req[1]
@@ -176,7 +177,22 @@ def quantize_main(request_file: str) -> int:
     rc = llama_cpp.llama_model_quantize(req["src"].encode(), req["dst"].encode(), ctypes.byref(params))
     if rc != 0:
         print(f"error: llama_model_quantize returned {rc}", file=sys.stderr)
+    print(f"{PEAK_PREFIX} {_peak_bytes()}")  # the parent's peak line reads it (quantgate.memory)
     return 0 if rc == 0 else 1
+
+
+PEAK_PREFIX = "quantgate-peak-bytes"
+
+
+def _peak_bytes() -> int:
+    """This process's own peak RSS (VmHWM), 0 where /proc is not there."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def run_main(argv: list[str]) -> None:

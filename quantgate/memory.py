@@ -34,9 +34,29 @@ def rss_bytes() -> int:
     return kb * 1024 if kb is not None else _maxrss_bytes(resource.RUSAGE_SELF)
 
 
+_CHILD_PEAKS: list[int] = []  # peaks the children reported themselves (llama.cpp's worker and quantizer)
+
+
+def note_child_peak(n_bytes: int) -> None:
+    """A child process's own peak RSS (its VmHWM, sent before it exits)."""
+    _CHILD_PEAKS.append(int(n_bytes))
+
+
+def own_peak_bytes() -> int | None:
+    """This process's own peak RSS on Linux (VmHWM, of this address space only), else None."""
+    kb = _status_kb("VmHWM")
+    return None if kb is None else kb * 1024
+
+
 def peak_rss_bytes() -> dict[str, int]:
-    """{"quantgate": this process's peak RSS, "children": the largest peak of a child that has ended}."""
-    return {"quantgate": _maxrss_bytes(resource.RUSAGE_SELF), "children": _maxrss_bytes(resource.RUSAGE_CHILDREN)}
+    """{"quantgate": this process's peak RSS, "children": the largest peak of a child that has ended}.
+
+    On Linux both come from each process's VmHWM, not getrusage's ru_maxrss: a child started by fork (or vfork) and
+    exec keeps its parent's high-water mark in ru_maxrss, so a 0.5 GB llama.cpp worker spawned by a 6 GB process
+    reads 6 GB there, and so does a process whose parent was large when it started it."""
+    own = own_peak_bytes()
+    children = max(_CHILD_PEAKS) if _CHILD_PEAKS else _maxrss_bytes(resource.RUSAGE_CHILDREN)
+    return {"quantgate": own if own is not None else _maxrss_bytes(resource.RUSAGE_SELF), "children": children}
 
 
 def peak_line() -> str:

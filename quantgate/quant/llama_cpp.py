@@ -31,6 +31,8 @@ from ..formats import load_checkpoint
 from ..formats.gguf import inspect_gguf
 from ..formats.gguf_layout import EXPERT_TENSORS, GGUF_ARCHS, LINEAR_TO_GGUF, tiled_heads
 from ..fsio import atomic_path, check_output
+from ..llama_worker import PEAK_PREFIX
+from ..memory import note_child_peak
 from .schemes import GGUF_FILE_TYPES, NEEDS_IMATRIX, GgufScheme, ggml_type, llama_file_type, with_gate_bits
 
 # llama.cpp file types that `quantgate quantize` offers -> enum llama_ftype (gguf-py's LlamaFileType)
@@ -168,6 +170,9 @@ def quantize_gguf(src: str | Path, out: str | Path, scheme: GgufScheme | str, im
         proc = subprocess.run([sys.executable, "-m", "quantgate.llama_worker", "quantize",
                                str(Path(work) / "request.json")],
                               capture_output=True, text=True, start_new_session=True)
+        for line in (proc.stdout or "").splitlines():  # the quantizer's own peak (quantgate.memory)
+            if line.startswith(PEAK_PREFIX + " ") and line.split()[-1].isdecimal():
+                note_child_peak(int(line.split()[-1]))
         if proc.returncode != 0:
             lines = [ln for ln in (proc.stderr or "").splitlines() if ln.strip()]
             why = next((ln for ln in reversed(lines) if "error" in ln.lower() or "GGML_ASSERT" in ln),

@@ -12,6 +12,7 @@ llama.cpp, switched on for those).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -24,6 +25,7 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import QuantgateError
+from ..memory import note_child_peak
 from ..formats.gguf import GGUFInfo, inspect_gguf
 from ..quant.schemes import GGUF_KV_TYPES, ggml_type
 from ..sampling import Done, Sampler, Token
@@ -195,6 +197,11 @@ class LlamaRunner:
                 if at_once:
                     raise subprocess.TimeoutExpired(self._proc.args, 0)
                 self._conn.send(("close",))
+                if self._conn.poll(10):
+                    with contextlib.suppress(EOFError, OSError):
+                        msg = self._conn.recv()
+                        if msg[0] == "peak" and msg[1]:
+                            note_child_peak(msg[1])
                 self._proc.wait(timeout=10)
             except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
                 self._proc.kill()
