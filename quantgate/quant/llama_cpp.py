@@ -28,7 +28,7 @@ from ..calib_data import calibration_windows, check_ctx, data_paths
 from ..capture import capture
 from ..errors import DiskFull, QuantgateError
 from ..formats import load_checkpoint
-from ..formats.gguf import inspect_gguf
+from ..formats.gguf import GGUFInfo, inspect_gguf
 from ..formats.gguf_layout import EXPERT_TENSORS, GGUF_ARCHS, LINEAR_TO_GGUF, tiled_heads
 from ..fsio import atomic_path, check_output
 from ..llama_worker import PEAK_PREFIX
@@ -45,6 +45,36 @@ GATE_PATTERN = r"attn_q\.weight"
 # keep them high (ssm_conv1d llama.cpp never quantizes).
 HYBRID_GATE_PATTERN = r"attn_(q|gate)\.weight"
 HYBRID_KEPT = [[r"ssm_(alpha|beta)\.weight", "Q8_0"]]
+
+
+def run_quantizer(src: Path, dst: Path, qtype: str, overrides: list, im: dict | None = None,
+                  threads: int | None = None, shown: Path | None = None) -> GGUFInfo:
+    """llama.cpp's quantizer on `src` into `dst` (a path the caller owns and removes on failure), in its child
+    process: file type `qtype` with per-tensor `overrides` ([regex over tensor names, ggml_type id], the first that
+    matches wins, as llama.cpp's --tensor-type) and an importance matrix. Returns the written file's header."""
+    request = {"src": str(src), "dst": str(dst), "ftype": FILE_TYPES[qtype], "threads": threads or 0,
+               "overrides": overrides}
+    with tempfile.TemporaryDirectory() as work:
+        if im is not None:
+            np.savez(Path(work) / "imatrix.npz", **im)
+            request["imatrix"] = str(Path(work) / "imatrix.npz")
+        (Path(work) / "request.json").write_text(json.dumps(request))
+        # its own session: a terminal's Ctrl-C reaches only us, and we stop the child (subprocess.run kills it)
+        proc = subprocess.run([sys.executable, "-m", "quantgate.llama_worker", "quantize",
+                               str(Path(work) / "request.json")],
+                              capture_output=True, text=True, start_new_session=True)
+    for line in (proc.stdout or "").splitlines():  # the quantizer's own peak (quantgate.memory)
+        if line.startswith(PEAK_PREFIX + " ") and line.split()[-1].isdecimal():
+            note_child_peak(int(line.split()[-1]))
+    if proc.returncode != 0:
+        lines = [ln for ln in (proc.stderr or "").splitlines() if ln.strip()]
+        why = next((ln for ln in reversed(lines) if "error" in ln.lower() or "GGML_ASSERT" in ln),
+                   lines[-1] if lines else f"exit code {proc.returncode}")
+        if any("iostream error" in ln or "failed to write" in ln for ln in lines):
+            raise DiskFull(f"cannot write {shown or dst}: llama.cpp's quantizer could not write it (disk full or "
+                           f"file size limit); nothing was kept")
+        raise QuantgateError(f"llama.cpp could not quantize {src} to {qtype}: {why.strip()[:200]}")
+    return inspect_gguf(dst)
 
 
 def gguf_scheme(scheme: GgufScheme | str, imatrix: str | None = None, gate_bits: int | None = None) -> GgufScheme:
@@ -159,29 +189,8 @@ def quantize_gguf(src: str | Path, out: str | Path, scheme: GgufScheme | str, im
     hybrid = bool(info.recurrent_layers)
     kept = [[p, ggml_type(t)] for p, t in HYBRID_KEPT] if hybrid else []
     gate = [[HYBRID_GATE_PATTERN if hybrid else GATE_PATTERN, ggml_type(f"Q{s.keep.bits}_0")]] if s.keep else []
-    request = {"src": str(src), "ftype": FILE_TYPES[qtype], "threads": threads or 0, "overrides": gate + kept}
-    with atomic_path(out, "gguf") as tmp, tempfile.TemporaryDirectory() as work:
-        request["dst"] = str(tmp)
-        if im is not None:
-            np.savez(Path(work) / "imatrix.npz", **im)
-            request["imatrix"] = str(Path(work) / "imatrix.npz")
-        (Path(work) / "request.json").write_text(json.dumps(request))
-        # its own session: a terminal's Ctrl-C reaches only us, and we stop the child (subprocess.run kills it)
-        proc = subprocess.run([sys.executable, "-m", "quantgate.llama_worker", "quantize",
-                               str(Path(work) / "request.json")],
-                              capture_output=True, text=True, start_new_session=True)
-        for line in (proc.stdout or "").splitlines():  # the quantizer's own peak (quantgate.memory)
-            if line.startswith(PEAK_PREFIX + " ") and line.split()[-1].isdecimal():
-                note_child_peak(int(line.split()[-1]))
-        if proc.returncode != 0:
-            lines = [ln for ln in (proc.stderr or "").splitlines() if ln.strip()]
-            why = next((ln for ln in reversed(lines) if "error" in ln.lower() or "GGML_ASSERT" in ln),
-                       lines[-1] if lines else f"exit code {proc.returncode}")
-            if any("iostream error" in ln or "failed to write" in ln for ln in lines):
-                raise DiskFull(f"cannot write {out}: llama.cpp's quantizer could not write it (disk full or file "
-                               f"size limit); nothing was kept")
-            raise QuantgateError(f"llama.cpp could not quantize {src} to {qtype}: {why.strip()[:200]}")
-        result = inspect_gguf(tmp)
+    with atomic_path(out, "gguf") as tmp:
+        result = run_quantizer(src, tmp, qtype, gate + kept, im, threads, out)
     counts: dict[str, int] = {}
     for name, t in result.tensor_types.items():
         counts[t] = counts.get(t, 0) + 1
