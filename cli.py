@@ -368,6 +368,12 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
               help="llama.cpp: keep attn_q (q and gate rows) at Q8_0 while the rest takes --type; onnxruntime int4: "
                    "keep the fused q|gate MatMul at 8 bits (the registry's +gate8 schemes; torch spells them "
                    "w4a16-g32-qgate8, and w4a16-g32-gate8 keeps the gate rows only)")
+@click.option("--target-bpw", type=click.FloatRange(1.0, 32.0), default=None,
+              help="llama.cpp: choose each tensor's type (Q2_K ... Q8_0) to minimise the KLD measured per tensor "
+                   "on --calib-windows windows of --ctx tokens (one llama.cpp quantization and run per tensor and "
+                   "type: fewer windows are quicker), the file at most this many bits per weight (instead of --type)")
+@click.option("--target-size", default=None, metavar="SIZE",
+              help="llama.cpp: as --target-bpw, with the tensors at most SIZE (e.g. 2.6GB, 900MB, 123456789)")
 @click.option("--out", default=None, type=click.Path(), help="output model directory (torch, ONNX) or .gguf file")
 @click.option("--calib-data", default="embedded", show_default=True,
               help="calibration text (the embedded corpus's valid split; never its test split)")
@@ -378,8 +384,8 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
 @click.option("--layerwise", is_flag=True, default=None,
               help="torch: run the model one decoder block at a time and write the output as it goes (what a model "
                    "too large for memory gets anyway); the same file, one block's weights resident")
-def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, imatrix, gate_bits, out, calib_data,
-             calib_windows, ctx, seed, threads, layerwise):
+def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, imatrix, gate_bits, target_bpw,
+             target_size, out, calib_data, calib_windows, ctx, seed, threads, layerwise):
     """Quantize MODEL: a model directory under a named PyTorch scheme (writes a loadable checkpoint that
     records the scheme), a .gguf with llama.cpp's own quantizer (--type), or an ONNX export with
     onnxruntime.quantization (--scheme int8-dynamic|int8-static|int8-weight|int4). Every scheme is a row of
@@ -397,6 +403,15 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
     from quantgate.formats import artifact_kind
     if backend == "auto":
         backend = {"gguf": "llama.cpp", "onnx": "onnxruntime", "hf": "torch"}[artifact_kind(model)]
+    if target_bpw is not None or target_size is not None:
+        if backend != "llama.cpp" or qtype or scheme or imatrix or gate_bits:
+            raise QuantgateError("--target-bpw/--target-size choose llama.cpp types per tensor for a .gguf; they "
+                                 "replace --type, --scheme, --imatrix and --gate-bits")
+        from quantgate.quant.allocate import allocate_gguf, parse_size
+        summary = allocate_gguf(model, out, target_bpw, parse_size(target_size) if target_size else None, calib_data,
+                                calib_windows, ctx, seed, threads)
+        _emit(summary if as_json else {k: v for k, v in summary.items() if k not in ("sensitivity",)}, as_json)
+        return
     bits = int(gate_bits) if gate_bits else None
     if backend == "onnxruntime":
         if not scheme:

@@ -38,8 +38,9 @@ KINDS = {  # kind -> what a user calls it
     "checkpoint": "a model directory", "onnx": "an ONNX export", "run": "a training run",
     "report": "a report folder", "demo": "a demo folder", "plots": "a plots folder", "seeds": "a multi-seed training run",
     "gguf": "a GGUF file", "analysis": "an analysis JSON file", "attribution": "an attribution JSON file",
+    "allocation": "an allocation JSON file",
 }
-FILE_KINDS = ("gguf", "analysis", "attribution")
+FILE_KINDS = ("gguf", "analysis", "attribution", "allocation")
 # Folders written piece by piece (resumable): quantgate writes into them and never replaces them whole.
 CONTAINERS = ("run", "report", "demo", "plots", "seeds")
 # What quantgate writes, by name, inside its own piece-by-piece folders: those entries are its own to replace

@@ -1,0 +1,346 @@
+"""Per-tensor llama.cpp types under a size budget, chosen from measured sensitivity (issue 36).
+
+    from quantgate.quant.allocate import allocate_gguf
+    allocate_gguf("m-F32.gguf", "m-auto.gguf", target_bpw=4.5)
+
+1. Units: every tensor llama.cpp's quantizer would quantize (2-D and larger; norms stay F32). The gates are units
+   of their own where the file keeps them apart: a hybrid's `attn_gate` (GDN z), `ssm_alpha`, `ssm_beta`,
+   `ssm_out`; in gated attention the gate rows share `attn_q` with q, so that tensor is the gate's unit.
+2. Sensitivity, measured: a base file with every unit at the base type (Q8_0), then one file per (unit,
+   candidate type) with that unit alone at the candidate, each written by llama.cpp's own quantizer (explicit
+   per-tensor overrides) and scored by llama.cpp against the source file's own logits on calibration windows (the
+   calibration split, disjoint from evaluation text). delta(u, t) = KLD(file) - KLD(base). Cached by content
+   (the source file, the windows, the candidates, the code).
+3. Allocation: the predicted KLD of an assignment is KLD(base) + sum of its units' deltas (additive, which the
+   benchmark checks against the written file); under a byte budget this is a multiple-choice knapsack, solved by
+   dynamic programming over the budget. Bytes per type are ggml's block sizes.
+4. The file is written by llama.cpp's quantizer with one override per unit, so stock llama.cpp opens it; the
+   chosen type of every tensor goes to a JSON beside it (`X.gguf.allocation.json`).
+
+Written by hand: llama.cpp's `--target-bpw` is an unmerged PR and no library allocates llama.cpp types from
+measured KLD under a size budget.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+
+from ..calib_data import calibration_windows, check_ctx, data_paths
+from ..errors import QuantgateError
+from ..formats.gguf import inspect_gguf, open_reader, tokenizer_from_gguf
+from ..fsio import atomic_path, check_output, write_json
+from ..identity import code_id, content_id, key
+from ..metrics import window_scores
+from ..progress import track
+from ..reference import cache_dir
+from ..runners.open import fixed_ctx, open_runner
+from .llama_cpp import run_quantizer
+from .schemes import ggml_type
+
+CANDIDATES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0")  # tensor types llama.cpp's own mixtures use
+SMALL_ROW_CANDIDATES = ("Q4_0", "Q5_0", "Q8_0")  # rows not a multiple of 256 take 32-blocks (llama.cpp's fallback)
+BASE = "Q8_0"  # every unit's type while another one is measured
+GATE_UNITS = (".attn_q.weight", ".attn_gate.weight", ".ssm_alpha.weight", ".ssm_beta.weight", ".ssm_out.weight")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One tensor the allocator chooses a type for: its name, element count and row length (ggml's ne[0])."""
+    name: str
+    n_elements: int
+    row: int
+
+    @property
+    def is_gate(self) -> bool:
+        """A gate unit (the report's A/B holds these at the base type)."""
+        return self.name.endswith(GATE_UNITS)
+
+    def candidates(self) -> tuple[str, ...]:
+        """The types whose blocks fit its rows."""
+        pool = CANDIDATES if self.row % 256 == 0 else SMALL_ROW_CANDIDATES
+        return tuple(t for t in pool if self.row % _block(t) == 0)
+
+    def bytes(self, t: str) -> int:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[t]]
+        return self.n_elements // block * size
+
+
+def _block(t: str) -> int:
+    return GGML_QUANT_SIZES[GGMLQuantizationType[t]][0]
+
+
+def units_of(path: str | Path) -> list[Unit]:
+    """The tensors of an F32/F16/BF16 GGUF that llama.cpp's quantizer quantizes (2-D or more, rows of 32)."""
+    info = inspect_gguf(path)
+    if info.file_type not in ("F32", "F16", "BF16"):
+        raise QuantgateError(f"{path} is already quantized ({info.file_type}); allocate from the F32/F16 export")
+    out = []
+    for t in open_reader(path).tensors:
+        shape = [int(d) for d in t.shape]
+        if len(shape) >= 2 and shape[0] % 32 == 0:
+            out.append(Unit(t.name, int(np.prod(shape)), shape[0]))
+    return out
+
+
+def _overrides(assign: dict[str, str]) -> list:
+    """One exact-name override per unit (llama.cpp searches each pattern in the tensor's name)."""
+    return [[f"^{re.escape(n)}$", ggml_type(t)] for n, t in assign.items()]
+
+
+@dataclass
+class Sensitivity:
+    """Measured KLD deltas: base_kld (every unit at BASE), delta[unit][type], the calibration it was measured on."""
+    base_kld: float
+    delta: dict[str, dict[str, float]]
+    windows: int
+    ctx: int
+    data: str
+
+    def to_dict(self) -> dict:
+        return {"base_type": BASE, "base_kld": self.base_kld, "delta": self.delta, "windows": self.windows,
+                "ctx": self.ctx, "data": self.data}
+
+
+def measure_sensitivity(src: str | Path, units: list[Unit], calib_data: str = "embedded", n_windows: int = 8,
+                        ctx: int = 128, seed: int = 0, threads: int | None = None,
+                        work: Path | None = None) -> Sensitivity:
+    """Each unit's KLD increase over the base file when it alone takes each candidate type (see the module
+    docstring), cached by content."""
+    src = Path(src)
+    tok = tokenizer_from_gguf(open_reader(src))
+    check_ctx(ctx, inspect_gguf(src).context_length, src)
+    windows = calibration_windows(tok, calib_data, n_windows, ctx, seed)
+    k = key("sensitivity", content_id(src), code_id(), BASE, [(u.name, u.candidates()) for u in units],
+            hashlib.sha256(windows.tobytes()).hexdigest())
+    cached = cache_dir() / f"sens-{k}.json"
+    if cached.is_file():
+        d = json.loads(cached.read_text())
+        return Sensitivity(d["base_kld"], d["delta"], d["windows"], d["ctx"], d["data"])
+    ref = _logits(src, windows, threads)
+    base = {u.name: BASE for u in units}
+    work = Path(work or cache_dir())
+    work.mkdir(parents=True, exist_ok=True)
+
+    def kld(assign: dict[str, str]) -> tuple[float, dict[str, str]]:
+        tmp = work / f".sens-{k}.gguf"
+        try:
+            written = run_quantizer(src, tmp, BASE, _overrides(assign), threads=threads)
+            lg = _logits(tmp, windows, threads)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return (float(np.mean([window_scores(ref[i], lg[i], windows[i])["kld"].mean() for i in range(len(windows))])),
+                written.tensor_types)
+
+    base_kld, types = kld(base)
+    units = [u for u in units if types.get(u.name) == BASE]  # what llama.cpp leaves in float is no unit
+    base = {u.name: BASE for u in units}
+    runs = [(u, t) for u in units for t in u.candidates() if t != BASE]
+    delta: dict[str, dict[str, float]] = {u.name: {BASE: 0.0} for u in units}
+    for u, t in track(runs, "sensitivity: one unit at a time", total=len(runs)):
+        delta[u.name][t] = kld({**base, u.name: t})[0] - base_kld
+    sens = Sensitivity(base_kld, delta, len(windows), ctx, calib_data)
+    write_json(cached, sens.to_dict())
+    return sens
+
+
+def _logits(path: Path, windows: np.ndarray, threads: int | None) -> np.ndarray:
+    opened = open_runner(str(path), fixed_ctx(windows.shape[1], path), threads=threads)
+    with opened.runner as r:
+        return r.logits(windows)
+
+
+@dataclass
+class Allocation:
+    """The chosen type per unit, its tensor bytes and predicted KLD, and the budget it met."""
+    types: dict[str, str]
+    unit_bytes: int
+    predicted_kld: float
+    budget_bytes: int
+
+
+BUCKETS = 4000  # the budget's resolution in the allocation's dynamic program
+
+
+def allocate(units: list[Unit], sens: Sensitivity, budget_bytes: int, fixed: dict[str, str] | None = None) -> Allocation:
+    """Types that minimise the predicted KLD with the units' bytes under `budget_bytes`; `fixed` units keep the type
+    given (the gate A/B's held arm). A multiple-choice knapsack, solved by dynamic programming over the budget in
+    BUCKETS steps (each unit's bytes rounded to the nearest step; the answer is checked in bytes, and a smaller
+    capacity taken until it fits), then the bytes left are spent on the best upgrades that fit. Raises when even
+    the cheapest types do not fit."""
+    fixed = fixed or {}
+    free = [u for u in units if u.name not in fixed]
+    held_bytes = sum(u.bytes(fixed[u.name]) for u in units if u.name in fixed)
+    left = budget_bytes - held_bytes
+    cheapest = held_bytes + sum(min(u.bytes(t) for t in u.candidates()) for u in free)
+    if cheapest > budget_bytes:
+        raise QuantgateError(f"the budget holds {budget_bytes:,} bytes of weights; the smallest types take "
+                             f"{cheapest:,}")
+    step = max(1, -(-left // BUCKETS))
+    n = left // step + len(free)  # room for the rounding; the capacity search below keeps what truly fits
+    inf = np.inf
+    best = np.zeros(n + 1)  # least predicted delta using at most b steps
+    picks = []
+    for u in free:
+        opts = [(t, round(u.bytes(t) / step), sens.delta[u.name][t]) for t in u.candidates() if t in sens.delta[u.name]]
+        new, pick = np.full(n + 1, inf), np.full(n + 1, -1, dtype=np.int16)
+        for j, (_t, w, d) in enumerate(opts):
+            if w > n:
+                continue
+            cand = np.full(n + 1, inf)
+            cand[w:] = best[:n + 1 - w] + d
+            better = cand < new
+            new[better], pick[better] = cand[better], j
+        best = new
+        picks.append((opts, pick))
+    for cap in range(n, -1, -1):  # bytes rounded to the nearest step: the first capacity whose answer truly fits
+        if not np.isfinite(best[cap]):
+            break
+        types, b = dict(fixed), cap
+        for u, (opts, pick) in zip(reversed(free), reversed(picks)):
+            t, w, _d = opts[pick[b]]
+            types[u.name] = t
+            b -= w
+        if sum(u.bytes(types[u.name]) for u in units) <= budget_bytes:
+            break
+    else:
+        types = {}
+    if not types or sum(u.bytes(types[u.name]) for u in units) > budget_bytes:
+        types = {**{u.name: min(u.candidates(), key=u.bytes) for u in free}, **fixed}
+    return _plan(_fill(types, free, sens, budget_bytes - sum(u.bytes(types[u.name]) for u in units)), units, sens,
+                 budget_bytes)
+
+
+def _fill(types: dict[str, str], free: list[Unit], sens: Sensitivity, room: int) -> dict[str, str]:
+    """Spend the bytes the rounding left: the upgrade that saves the most KLD and fits, until none does."""
+    types = dict(types)
+    while True:
+        best = None
+        for u in free:
+            now = types[u.name]
+            for t in u.candidates():
+                extra, gain = u.bytes(t) - u.bytes(now), sens.delta[u.name][now] - sens.delta[u.name][t]
+                if 0 <= extra <= room and gain > 0 and (best is None or gain > best[0]):
+                    best = (gain, u, t, extra)
+        if best is None:
+            return types
+        _gain, u, t, extra = best
+        types[u.name], room = t, room - extra
+
+
+def _plan(types: dict[str, str], units: list[Unit], sens: Sensitivity, budget_bytes: int) -> Allocation:
+    used = sum(u.bytes(types[u.name]) for u in units)
+    return Allocation({u.name: types[u.name] for u in units}, used,
+                      sens.base_kld + sum(sens.delta[u.name][types[u.name]] for u in units), budget_bytes)
+
+
+def held_gates(units: list[Unit], free: Allocation) -> dict[str, str]:
+    """The gate A/B's held arm: every gate unit at the type the free allocation gave most of the other units'
+    bytes (the allocation's base type), or the nearest type its rows take."""
+    weight: dict[str, int] = {}
+    for u in units:
+        if not u.is_gate:
+            weight[free.types[u.name]] = weight.get(free.types[u.name], 0) + u.n_elements
+    base = max(weight, key=weight.get) if weight else BASE
+    return {u.name: min(u.candidates(), key=lambda t: abs(_bits(t) - _bits(base))) for u in units if u.is_gate}
+
+
+def _bits(t: str) -> float:
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[t]]
+    return 8 * size / block
+
+
+def parse_size(text: str) -> int:
+    """`2.6GB`, `900MB`, `512KiB` or a byte count, as bytes (GB = 1e9, GiB = 2**30)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)\s*", text or "", re.I)
+    if not m:
+        raise QuantgateError(f"--target-size {text!r}: give a size like 2.6GB, 900MB or a byte count")
+    unit = m.group(2).upper().rstrip("B") or ""
+    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2 ** 10, "MI": 2 ** 20, "GI": 2 ** 30,
+             "TI": 2 ** 40}.get(unit)
+    if scale is None or float(m.group(1)) <= 0:
+        raise QuantgateError(f"--target-size {text!r}: give a size like 2.6GB, 900MB or a byte count")
+    return int(float(m.group(1)) * scale)
+
+
+def budget_from(units: list[Unit], total_elements: int, other_bytes: int, header_bytes: int,
+                target_bpw: float | None, target_bytes: int | None, float_bytes: int) -> int:
+    """The units' byte budget for a target in bits per weight (over every tensor, as llama.cpp counts it) or in file
+    bytes (tensors and the header: metadata, tokenizer); a target below what the smallest types give or not below
+    the float file is one line naming what is reachable. `other_bytes`: tensors that are no unit (norms)."""
+    lo = sum(min(u.bytes(t) for t in u.candidates()) for u in units) + other_bytes
+    if target_bytes is not None:
+        want, hi, lo_file = target_bytes - header_bytes, float_bytes, lo + header_bytes
+
+        def say(b: int) -> str:
+            return f"{b / 1e9:.3g} GB" if b >= 1e8 else f"{b:,} bytes"
+        if want < lo:
+            raise QuantgateError(f"target {say(target_bytes)} is below the smallest file the candidate types give "
+                                 f"({say(lo_file)}); nothing was written")
+        if want >= hi:
+            raise QuantgateError(f"target {say(target_bytes)} is not below the float file ({say(hi + header_bytes)}): "
+                                 f"nothing to allocate; nothing was written")
+        return want - other_bytes
+    want = int(target_bpw * total_elements / 8)
+
+    def bpw(b: int) -> str:
+        return f"{8 * b / total_elements:.2f} bpw"
+    if want < lo:
+        raise QuantgateError(f"target {bpw(want)} is below the smallest file the candidate types give ({bpw(lo)}); "
+                             f"nothing was written")
+    if want >= float_bytes:
+        raise QuantgateError(f"target {bpw(want)} is not below the float file ({bpw(float_bytes)}): nothing to "
+                             f"allocate; nothing was written")
+    return want - other_bytes
+
+
+def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = None, target_bytes: int | None = None,
+                  calib_data: str = "embedded", calib_windows: int = 8, ctx: int = 128, seed: int = 0,
+                  threads: int | None = None, hold_gates: bool = False) -> dict:
+    """Write `out` from the F32/F16/BF16 GGUF `src` with per-tensor types chosen under the target (bits per weight
+    over all tensors, or tensor bytes); `hold_gates` keeps the gate units at the allocation's base type (the A/B's
+    held arm: the same budget, the gates given no more bits than most of the model).
+    Returns the summary, which also lands in `out`.allocation.json."""
+    if (target_bpw is None) == (target_bytes is None):
+        raise QuantgateError("give one target: --target-bpw or --target-size")
+    if target_bpw is not None and not 1.0 <= target_bpw <= 32.0:
+        raise QuantgateError(f"--target-bpw must be between 1 and 32, got {target_bpw}")
+    src, out = Path(src), Path(out)
+    units = units_of(src)
+    if not units:
+        raise QuantgateError(f"{src} has no tensor llama.cpp quantizes")
+    side = out.with_name(out.name + ".allocation.json")
+    check_output(out, "gguf", (src, *data_paths(calib_data)))
+    check_output(side, "allocation", (src,))
+    tensors = open_reader(src).tensors
+    total = sum(int(np.prod([int(d) for d in t.shape])) for t in tensors)
+    names = {u.name for u in units}
+    float_bytes = sum(int(t.n_bytes) for t in tensors)
+    other = sum(int(t.n_bytes) for t in tensors if t.name not in names)
+    header = src.stat().st_size - float_bytes
+    budget = budget_from(units, total, other, header, target_bpw, target_bytes, float_bytes)
+    sens = measure_sensitivity(src, units, calib_data, calib_windows, ctx, seed, threads, out.parent)
+    units = [u for u in units if u.name in sens.delta]  # llama.cpp quantizes these
+    plan = allocate(units, sens, budget)
+    if hold_gates:
+        plan = allocate(units, sens, budget, held_gates(units, plan))
+    with atomic_path(out, "gguf") as tmp:
+        written = run_quantizer(src, tmp, BASE, _overrides(plan.types), threads=threads, shown=out)
+        mismatch = {n: (t, written.tensor_types.get(n)) for n, t in plan.types.items()
+                    if written.tensor_types.get(n) != t}
+        if mismatch:
+            raise QuantgateError(f"llama.cpp wrote other types than the allocation asked for: "
+                                 f"{list(mismatch.items())[:3]}")
+    summary = {"src": str(src), "out": str(out), "target_bpw": target_bpw, "target_bytes": target_bytes,
+               "bytes": out.stat().st_size, "bits_per_weight": round(written.bits_per_weight, 4),
+               "predicted_kld": plan.predicted_kld, "hold_gates": hold_gates, "types": plan.types,
+               "gate_types": {n: t for n, t in plan.types.items() if n.endswith(GATE_UNITS)},
+               "sensitivity": sens.to_dict()}
+    write_json(side, summary, kind="allocation")
+    return summary

@@ -1,0 +1,104 @@
+"""The bit allocator (quantgate.quant.allocate): per-tensor llama.cpp types under a size budget, from measured
+per-tensor KLD; the budget is met, llama.cpp writes exactly the chosen types, and bad budgets are one line."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from quantgate.errors import QuantgateError
+from quantgate.quant.allocate import Sensitivity, Unit, allocate, held_gates, parse_size
+
+
+def _sens(units, rng):
+    """Deltas that fall with bits, each unit its own scale."""
+    delta = {}
+    for u in units:
+        scale = rng.uniform(0.1, 5.0)
+        delta[u.name] = {t: scale * 2.0 ** (-{"Q4_0": 4.5, "Q5_0": 5.5, "Q8_0": 8.5}[t]) * (t != "Q8_0")
+                         for t in u.candidates()}
+    return Sensitivity(0.01, delta, 4, 64, "embedded")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_allocation_meets_the_budget_and_beats_every_uniform_type_that_fits(seed):
+    rng = np.random.default_rng(seed)
+    units = [Unit(f"blk.{i}.ffn_up.weight", int(rng.integers(1, 9)) * 4096, 64) for i in range(6)]
+    sens = _sens(units, rng)
+    lo, hi = sum(u.bytes("Q4_0") for u in units), sum(u.bytes("Q8_0") for u in units)
+    for budget in np.linspace(lo, hi, 7).astype(int):
+        plan = allocate(units, sens, int(budget))
+        assert plan.unit_bytes <= budget
+        assert plan.predicted_kld == pytest.approx(0.01 + sum(sens.delta[n][t] for n, t in plan.types.items()))
+        for t in ("Q4_0", "Q5_0", "Q8_0"):  # the standard answer: one type everywhere
+            if sum(u.bytes(t) for u in units) <= budget:
+                assert plan.predicted_kld <= 0.01 + sum(sens.delta[u.name][t] for u in units) + 1e-12
+        best = min(0.01 + sum(sens.delta[u.name][t] for u, t in zip(units, combo))
+                   for combo in itertools.product(("Q4_0", "Q5_0", "Q8_0"), repeat=len(units))
+                   if sum(u.bytes(t) for u, t in zip(units, combo)) <= budget)
+        assert plan.predicted_kld <= best * 1.02 + 1e-9  # the dynamic program: the exact optimum, to its rounding
+
+
+def test_a_budget_below_the_smallest_types_is_refused():
+    units = [Unit("a.weight", 4096, 64)]
+    with pytest.raises(QuantgateError, match="smallest types take"):
+        allocate(units, _sens(units, np.random.default_rng(0)), units[0].bytes("Q4_0") - 1)
+
+
+def test_held_gates_take_the_base_type_of_the_rest():
+    units = [Unit("blk.0.attn_q.weight", 4096, 64), Unit("blk.0.ffn_up.weight", 8192, 64)]
+    free = allocate(units, _sens(units, np.random.default_rng(1)), units[0].bytes("Q8_0") + units[1].bytes("Q5_0"))
+    held = held_gates(units, free)
+    assert held == {"blk.0.attn_q.weight": free.types["blk.0.ffn_up.weight"]}
+
+
+def test_sizes_parse_and_bad_ones_are_one_line():
+    assert parse_size("2.6GB") == 2_600_000_000 and parse_size("900MB") == 900_000_000
+    assert parse_size("1GiB") == 1 << 30 and parse_size("12345") == 12345
+    for bad in ("two GB", "-1GB", "0", "3XB"):
+        with pytest.raises(QuantgateError, match="--target-size"):
+            parse_size(bad)
+
+
+@pytest.fixture(scope="module")
+def f32_gguf(tmp_path_factory):
+    from quantgate.export.gguf import export_checkpoint
+    from quantgate.formats import save_checkpoint
+    from quantgate.model import build_model, preset
+    from quantgate.tokenizer import byte_tokenizer
+    d = tmp_path_factory.mktemp("alloc")
+    save_checkpoint(build_model(preset("tiny", vocab_size=300, n_layers=1), seed=0), d / "m", byte_tokenizer())
+    export_checkpoint(d / "m", d / "m.gguf", "f32")
+    return d / "m.gguf"
+
+
+def test_quantize_target_bpw_writes_the_chosen_types_within_the_budget(f32_gguf, tmp_path):
+    from quantgate.formats import inspect_gguf
+    from quantgate.runners import LlamaRunner
+    out = tmp_path / "auto.gguf"
+    r = run_cli("quantize", f32_gguf, "--target-bpw", "6", "--calib-windows", "2", "--ctx", "32", "--out", out,
+                "--json", env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads(r.stdout)
+    info = inspect_gguf(out)
+    assert info.bits_per_weight <= 6.0 and summary["bits_per_weight"] == pytest.approx(info.bits_per_weight, abs=1e-3)
+    assert all(info.tensor_types[n] == t for n, t in summary["types"].items())
+    assert len(set(summary["types"].values())) >= 2  # a mixture, not one type
+    side = json.loads((tmp_path / "auto.gguf.allocation.json").read_text())
+    assert side["types"] == summary["types"] and side["sensitivity"]["base_type"] == "Q8_0"
+    with LlamaRunner(out, n_ctx=32) as runner:  # stock llama.cpp opens it
+        assert np.isfinite(runner.logits(np.array([[1, 2, 3, 4]]))).all()
+
+
+@pytest.mark.parametrize("target, needle", [(["--target-bpw", "1.5"], "below the smallest file"),
+                                            (["--target-bpw", "32"], "not below the float file"),
+                                            (["--target-size", "1KB"], "below the smallest file"),
+                                            (["--target-bpw", "4", "--type", "Q4_K_M"], "replace --type")])
+def test_a_budget_the_model_cannot_meet_is_one_line_and_writes_nothing(f32_gguf, tmp_path, target, needle):
+    r = run_cli("quantize", f32_gguf, *target, "--out", tmp_path / "x.gguf",
+                env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert list(tmp_path.iterdir()) == []
