@@ -374,6 +374,10 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
                    "type: fewer windows are quicker), the file at most this many bits per weight (instead of --type)")
 @click.option("--target-size", default=None, metavar="SIZE",
               help="llama.cpp: as --target-bpw, with the tensors at most SIZE (e.g. 2.6GB, 900MB, 123456789)")
+@click.option("--hold-gates", is_flag=True,
+              help="with --target-bpw/--target-size: the gate tensors (attn_q, a hybrid's attn_gate, ssm_alpha, "
+                   "ssm_beta, ssm_out) take the allocation's base type instead of what their measured KLD earns (the "
+                   "A/B that shows whether protecting the gates pays)")
 @click.option("--out", default=None, type=click.Path(), help="output model directory (torch, ONNX) or .gguf file")
 @click.option("--calib-data", default="embedded", show_default=True,
               help="calibration text (the embedded corpus's valid split; never its test split)")
@@ -385,7 +389,7 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
               help="torch: run the model one decoder block at a time and write the output as it goes (what a model "
                    "too large for memory gets anyway); the same file, one block's weights resident")
 def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, imatrix, gate_bits, target_bpw,
-             target_size, out, calib_data, calib_windows, ctx, seed, threads, layerwise):
+             target_size, hold_gates, out, calib_data, calib_windows, ctx, seed, threads, layerwise):
     """Quantize MODEL: a model directory under a named PyTorch scheme (writes a loadable checkpoint that
     records the scheme), a .gguf with llama.cpp's own quantizer (--type), or an ONNX export with
     onnxruntime.quantization (--scheme int8-dynamic|int8-static|int8-weight|int4). Every scheme is a row of
@@ -403,13 +407,15 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
     from quantgate.formats import artifact_kind
     if backend == "auto":
         backend = {"gguf": "llama.cpp", "onnx": "onnxruntime", "hf": "torch"}[artifact_kind(model)]
+    if hold_gates and target_bpw is None and target_size is None:
+        raise QuantgateError("--hold-gates applies to an allocation: add --target-bpw or --target-size")
     if target_bpw is not None or target_size is not None:
         if backend != "llama.cpp" or qtype or scheme or imatrix or gate_bits:
             raise QuantgateError("--target-bpw/--target-size choose llama.cpp types per tensor for a .gguf; they "
                                  "replace --type, --scheme, --imatrix and --gate-bits")
         from quantgate.quant.allocate import allocate_gguf, parse_size
         summary = allocate_gguf(model, out, target_bpw, parse_size(target_size) if target_size else None, calib_data,
-                                calib_windows, ctx, seed, threads)
+                                calib_windows, ctx, seed, threads, hold_gates)
         _emit(summary if as_json else {k: v for k, v in summary.items() if k not in ("sensitivity",)}, as_json)
         return
     bits = int(gate_bits) if gate_bits else None

@@ -91,12 +91,26 @@ def test_quantize_target_bpw_writes_the_chosen_types_within_the_budget(f32_gguf,
     assert side["types"] == summary["types"] and side["sensitivity"]["base_type"] == "Q8_0"
     with LlamaRunner(out, n_ctx=32) as runner:  # stock llama.cpp opens it
         assert np.isfinite(runner.logits(np.array([[1, 2, 3, 4]]))).all()
+    # the gate A/B's held arm, from the cached sensitivity: the gates take the allocation's base type
+    held = run_cli("quantize", f32_gguf, "--target-bpw", "6", "--calib-windows", "2", "--ctx", "32", "--hold-gates",
+                   "--out", tmp_path / "held.gguf", "--json", env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
+    assert held.returncode == 0, held.stderr[-2000:]
+    h = json.loads(held.stdout)
+    from quantgate.formats.gguf import open_reader
+    size = {t.name: int(np.prod([int(d) for d in t.shape])) for t in open_reader(f32_gguf).tensors}
+    weight: dict = {}
+    for n, t in h["types"].items():  # the base type: the one most of the other units' weights take
+        if n not in h["gate_types"]:
+            weight[t] = weight.get(t, 0) + size[n]
+    base = max(weight, key=weight.get)
+    assert h["gate_types"] and set(h["gate_types"].values()) == {base} and h["bits_per_weight"] <= 6.0
 
 
 @pytest.mark.parametrize("target, needle", [(["--target-bpw", "1.5"], "below the smallest file"),
                                             (["--target-bpw", "32"], "not below the float file"),
                                             (["--target-size", "1KB"], "below the smallest file"),
-                                            (["--target-bpw", "4", "--type", "Q4_K_M"], "replace --type")])
+                                            (["--target-bpw", "4", "--type", "Q4_K_M"], "replace --type"),
+                                            (["--hold-gates"], "--hold-gates applies to an allocation")])
 def test_a_budget_the_model_cannot_meet_is_one_line_and_writes_nothing(f32_gguf, tmp_path, target, needle):
     r = run_cli("quantize", f32_gguf, *target, "--out", tmp_path / "x.gguf",
                 env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
