@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from quantgate.memory import own_peak_bytes
 from quantgate.sampling import NonFiniteLogits, Sampler, Token, stream
 
 
@@ -186,13 +187,7 @@ PEAK_PREFIX = "quantgate-peak-bytes"
 
 def _peak_bytes() -> int:
     """This process's own peak RSS (VmHWM), 0 where /proc is not there."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+    return own_peak_bytes() or 0
 
 
 def run_main(argv: list[str]) -> None:

@@ -273,29 +273,25 @@ def budget_from(units: list[Unit], total_elements: int, other_bytes: int, header
                 target_bpw: float | None, target_bytes: int | None, float_bytes: int) -> int:
     """The units' byte budget for a target in bits per weight (over every tensor, as llama.cpp counts it) or in file
     bytes (tensors and the header: metadata, tokenizer); a target below what the smallest types give or not below
-    the float file is one line naming what is reachable. `other_bytes`: tensors that are no unit (norms)."""
-    lo = sum(min(u.bytes(t) for t in u.candidates()) for u in units) + other_bytes
+    the float file is one line naming what is reachable, in the target's own unit. `other_bytes`: tensors that are
+    no unit (norms)."""
+    lo = sum(min(u.bytes(t) for t in u.candidates()) for u in units) + other_bytes  # tensor bytes, all cheapest
     if target_bytes is not None:
-        want, hi, lo_file = target_bytes - header_bytes, float_bytes, lo + header_bytes
+        want = target_bytes - header_bytes
+
+        def say(b: int) -> str:  # tensor bytes as the file size a user asked in
+            f = b + header_bytes
+            return f"{f / 1e9:.3g} GB" if f >= 1e8 else f"{f:,} bytes"
+    else:
+        want = int(target_bpw * total_elements / 8)
 
         def say(b: int) -> str:
-            return f"{b / 1e9:.3g} GB" if b >= 1e8 else f"{b:,} bytes"
-        if want < lo:
-            raise QuantgateError(f"target {say(target_bytes)} is below the smallest file the candidate types give "
-                                 f"({say(lo_file)}); nothing was written")
-        if want >= hi:
-            raise QuantgateError(f"target {say(target_bytes)} is not below the float file ({say(hi + header_bytes)}): "
-                                 f"nothing to allocate; nothing was written")
-        return want - other_bytes
-    want = int(target_bpw * total_elements / 8)
-
-    def bpw(b: int) -> str:
-        return f"{8 * b / total_elements:.2f} bpw"
+            return f"{8 * b / total_elements:.2f} bpw"
     if want < lo:
-        raise QuantgateError(f"target {bpw(want)} is below the smallest file the candidate types give ({bpw(lo)}); "
+        raise QuantgateError(f"target {say(want)} is below the smallest file the candidate types give ({say(lo)}); "
                              f"nothing was written")
     if want >= float_bytes:
-        raise QuantgateError(f"target {bpw(want)} is not below the float file ({bpw(float_bytes)}): nothing to "
+        raise QuantgateError(f"target {say(want)} is not below the float file ({say(float_bytes)}): nothing to "
                              f"allocate; nothing was written")
     return want - other_bytes
 
