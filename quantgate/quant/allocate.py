@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,7 +131,9 @@ def measure_sensitivity(src: str | Path, units: list[Unit], calib_data: str = "e
     work.mkdir(parents=True, exist_ok=True)
 
     def kld(assign: dict[str, str]) -> tuple[float, dict[str, str]]:
-        tmp = work / f".sens-{k}.gguf"
+        fd, name = tempfile.mkstemp(prefix=".quantgate-sens-", suffix=".gguf", dir=work)  # a name no one else has
+        os.close(fd)
+        tmp = Path(name)
         try:
             written = run_quantizer(src, tmp, BASE, _overrides(assign), threads=threads)
             lg = _logits(tmp, windows, threads)
