@@ -36,6 +36,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from ..calib_data import calibration_windows, check_ctx, data_paths
 from ..errors import QuantgateError
+from ..formats.kind import GGUF_SUFFIX
 from ..formats.gguf import inspect_gguf, open_reader, tokenizer_from_gguf
 from ..fsio import atomic_path, check_output, write_json
 from ..identity import code_id, content_id, key
@@ -131,7 +132,7 @@ def measure_sensitivity(src: str | Path, units: list[Unit], calib_data: str = "e
     work.mkdir(parents=True, exist_ok=True)
 
     def kld(assign: dict[str, str]) -> tuple[float, dict[str, str]]:
-        fd, name = tempfile.mkstemp(prefix=".quantgate-sens-", suffix=".gguf", dir=work)  # a name no one else has
+        fd, name = tempfile.mkstemp(prefix=".quantgate-sens-", suffix=GGUF_SUFFIX, dir=work)  # a name no one else has
         os.close(fd)
         tmp = Path(name)
         try:
