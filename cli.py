@@ -363,7 +363,8 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
               help="onnxruntime int4/int8-weight: block size (16, 32, 64, 128 or 256)")
 @click.option("--type", "qtype", default=None, help=f"llama.cpp: {_base_names('gguf')}")
 @click.option("--imatrix", type=click.Choice(["auto"]), default=None,
-              help="llama.cpp: importance matrix computed in PyTorch from --calib-data")
+              help="llama.cpp: importance matrix computed in PyTorch from --calib-data (with --target-bpw: every "
+                   "quantization the allocator measures and writes takes it)")
 @click.option("--gate-bits", type=click.Choice(["8"]), default=None,
               help="llama.cpp: keep attn_q (q and gate rows) at Q8_0 while the rest takes --type; onnxruntime int4: "
                    "keep the fused q|gate MatMul at 8 bits (the registry's +gate8 schemes; torch spells them "
@@ -410,12 +411,12 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
     if hold_gates and target_bpw is None and target_size is None:
         raise QuantgateError("--hold-gates applies to an allocation: add --target-bpw or --target-size")
     if target_bpw is not None or target_size is not None:
-        if backend != "llama.cpp" or qtype or scheme or imatrix or gate_bits:
+        if backend != "llama.cpp" or qtype or scheme or gate_bits:
             raise QuantgateError("--target-bpw/--target-size choose llama.cpp types per tensor for a .gguf; they "
-                                 "replace --type, --scheme, --imatrix and --gate-bits")
+                                 "replace --type, --scheme and --gate-bits")
         from quantgate.quant.allocate import allocate_gguf, parse_size
         summary = allocate_gguf(model, out, target_bpw, parse_size(target_size) if target_size else None, calib_data,
-                                calib_windows, ctx, seed, threads, hold_gates)
+                                calib_windows, ctx, seed, threads, hold_gates, imatrix == "auto")
         _emit(summary if as_json else {k: v for k, v in summary.items() if k not in ("sensitivity",)}, as_json)
         return
     bits = int(gate_bits) if gate_bits else None

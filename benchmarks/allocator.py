@@ -1,21 +1,24 @@
-"""The bit allocator against llama.cpp's standard types at the same file size, on trained twins (issue 36).
+"""The bit allocator against llama.cpp's standard types, at budgets from 3.5 to 6.5 bits per weight (issue 36).
 
-For each twin of a CPU-trained `small` pair (the recipe below; weights are not committed), in a fresh folder
-removed afterwards:
+For the twins of one CPU-trained pair (`--arch attention`: the demo's `small` twins; `--arch hybrid`: Qwen3.5-style
+hybrid twins, three of four layers Gated DeltaNet; the recipes are below, the weights are not committed), in a
+fresh folder removed afterwards, each twin, without and with an importance matrix:
 
-1. the F32 GGUF, and llama.cpp's standard types from it (no importance matrix): Q3_K_M, Q4_K_S, Q4_K_M, Q5_K_M,
-   Q6_K;
-2. for each standard file, `quantize --target-size` at that file's exact size (the allocator, measured sensitivity
-   on calibration windows of the calibration split), and the gate A/B's held arm at the same size (gate units at
-   the allocation's base type);
-3. KLD of every file against the float model on evaluation windows of the test split (disjoint from calibration),
-   with the 95% window-bootstrap interval of the mean, and the paired ratio allocator/standard with its interval
-   (windows resampled together), and the same for held/free gates.
+1. the F32 GGUF, and llama.cpp's standard types from it: Q3_K_M, Q4_K_S, Q4_K_M, Q5_K_M, Q6_K;
+2. `quantize --target-bpw B` for B in BUDGETS (sensitivity measured on calibration windows of the valid split), and
+   the gate A/B's held arm at the same budget (`--hold-gates`: gate units at the allocation's base type);
+3. KLD of every file against the float twin on evaluation windows of the test split (disjoint from calibration),
+   mean and p99 with the 95% window-bootstrap interval; per budget, the paired ratio allocator / the best standard
+   type at <= the allocator's file size (lowest KLD among those), and held / free gates (windows resampled
+   together);
+4. prefill and decode tok/s of the allocated file and that standard type, timed in alternated rounds by the
+   runners' bench protocol (llama.cpp, F16 KV cache, one thread), with the median per-round ratio and its range.
 
-    python benchmarks/allocator.py [--steps 300] [--work DIR]
+    python benchmarks/allocator.py --arch attention [--steps 300] [--keep-run DIR]
+    python benchmarks/allocator.py --arch hybrid
 
-Writes benchmarks/results/allocator.json and allocator.md. Not measured here (left, see the issue note): decode
-speed, the importance-matrix variants, hybrid twins, a larger pair, a GPU.
+Each run replaces its arch's entry in benchmarks/results/allocator.json, then writes allocator.md and allocator.png
+from every entry there.
 """
 from __future__ import annotations
 
@@ -32,12 +35,16 @@ from pathlib import Path
 import numpy as np
 
 STANDARD = ("Q3_K_M", "Q4_K_S", "Q4_K_M", "Q5_K_M", "Q6_K")
+BUDGETS = (3.5, 4.25, 5.0, 5.75, 6.5)
 RESULTS = Path(__file__).parent / "results"
 EVAL = dict(data="embedded", ctx=128, windows=64)
 CALIB = dict(windows=8, ctx=128)
+SPEED = dict(prefill=128, decode=128, rounds=9, threads=1, kv="f16")
+RECIPES = {"attention": ["--twins", "--preset", "small", "--batch-size", 8, "--ctx", 128],
+           "hybrid": ["--twins", "--arch", "hybrid", "--preset", "small", "--batch-size", 8, "--ctx", 128]}
 
 
-def cli(*args: str, env: dict | None = None) -> str:
+def cli(*args, env: dict | None = None) -> str:
     r = subprocess.run([sys.executable, "-m", "quantgate.cli", *map(str, args)], capture_output=True, text=True,
                        cwd=tempfile.gettempdir(), env={**os.environ, "QUANTGATE_PROGRESS": "0", **(env or {})})
     if r.returncode:
@@ -49,7 +56,8 @@ def evaluate(path: Path, ref: Path, cache: Path) -> dict:
     out = json.loads(cli("eval", path, "--reference", ref, "--data", EVAL["data"], "--ctx", EVAL["ctx"],
                          "--max-windows", EVAL["windows"], "--json", env={"QUANTGATE_CACHE": str(cache)}))
     return {"kld_mean": out["kld_mean"], "kld_mean_ci95": out.get("kld_mean_ci95"), "kld_p99": out["kld_p99"],
-            "per_window": out["per_window"]["kld"]}
+            "kld_p99_ci95": out.get("kld_p99_ci95"),
+            "per_window": out["per_window"]["kld"], "bytes": path.stat().st_size}
 
 
 def paired_ratio(a: list[float], b: list[float], n: int = 4000, seed: int = 0) -> dict:
@@ -62,80 +70,198 @@ def paired_ratio(a: list[float], b: list[float], n: int = 4000, seed: int = 0) -
     return {"ratio": float(a.mean() / b.mean()), "ci95": [float(lo), float(hi)]}
 
 
+def speed_pair(alloc: Path, std: Path) -> dict:
+    """Prefill and decode tok/s of both files, rounds alternated (the runners' bench protocol), and the per-round
+    ratios allocator / standard: median, min and max."""
+    from quantgate.runners.bench import bench
+    from quantgate.runners.open import fixed_ctx, open_runner
+    ids = list(np.random.default_rng(0).integers(3, 200, size=SPEED["prefill"] + SPEED["decode"]))
+    n = SPEED["prefill"] + SPEED["decode"]
+    a = open_runner(str(alloc), fixed_ctx(n, alloc), kv_type=SPEED["kv"], threads=SPEED["threads"], logits_all=False)
+    s = open_runner(str(std), fixed_ctx(n, std), kv_type=SPEED["kv"], threads=SPEED["threads"], logits_all=False)
+    with a.runner as ra, s.runner as rs:
+        ba, bs = bench([ra, rs], ids[:SPEED["prefill"]], ids[SPEED["prefill"]:], rounds=SPEED["rounds"], warmup=1)
+    out = {}
+    for phase in ("prefill", "decode"):
+        r = np.asarray(bs[f"{phase}_rounds_s"]) / np.asarray(ba[f"{phase}_rounds_s"])  # tok/s ratio, per round
+        out[phase] = {"allocator_tps": ba[f"{phase}_tps"], "standard_tps": bs[f"{phase}_tps"],
+                      "ratio_median": float(np.median(r)), "ratio_range": [float(r.min()), float(r.max())]}
+    return out
+
+
 def run_twin(work: Path, name: str, model: Path, cache: Path) -> dict:
     f32 = work / f"{name}-F32.gguf"
     cli("export", "gguf", model, "--out", f32, "--outtype", "f32")
-    rows = []
-    for t in STANDARD:
-        std = work / f"{name}-{t}.gguf"
-        cli("quantize", f32, "--type", t, "--out", std)
-        size = std.stat().st_size
-        arms = {"standard": std}
-        for arm, extra in (("allocator", []), ("gates_held", ["--hold-gates"])):
-            p = work / f"{name}-auto-{t}-{arm}.gguf"
-            t0 = time.perf_counter()
-            cli("quantize", f32, "--target-size", size, "--calib-windows", CALIB["windows"], "--ctx", CALIB["ctx"],
-                "--out", p, *extra, env={"QUANTGATE_CACHE": str(cache)})
-            arms[arm] = p
-            if arm == "allocator":
-                alloc_s = time.perf_counter() - t0
-        ev = {arm: evaluate(p, model, cache) for arm, p in arms.items()}
-        row = {"type": t, "standard_bytes": size,
-               **{f"{arm}_bytes": p.stat().st_size for arm, p in arms.items()},
-               **{arm: {k: v for k, v in e.items() if k != "per_window"} for arm, e in ev.items()},
-               "allocator_vs_standard": paired_ratio(ev["allocator"]["per_window"], ev["standard"]["per_window"]),
-               "held_vs_free_gates": paired_ratio(ev["gates_held"]["per_window"], ev["allocator"]["per_window"]),
-               "allocation_seconds_incl_cached_sensitivity": round(alloc_s, 1),
-               "allocator_types": json.loads((work / f"{name}-auto-{t}-allocator.gguf.allocation.json")
-                                             .read_text())["types"]}
-        rows.append(row)
-        for p in arms.values():
-            if p != std:
-                p.unlink()
-                p.with_name(p.name + ".allocation.json").unlink(missing_ok=True)
-        std.unlink()
-        print(json.dumps({k: row[k] for k in ("type", "standard_bytes", "allocator_vs_standard",
-                                              "held_vs_free_gates")}), flush=True)
+    calib = ["--calib-windows", CALIB["windows"], "--ctx", CALIB["ctx"]]
+    env = {"QUANTGATE_CACHE": str(cache)}
+    variants = {}
+    for im in (False, True):
+        imx = ["--imatrix", "auto"] if im else []
+        std = {}
+        for t in STANDARD:
+            p = work / f"{name}-{t}{'-im' if im else ''}.gguf"
+            cli("quantize", f32, "--type", t, "--out", p, *imx, *(calib if im else []), env=env)
+            std[t] = {"path": p, **evaluate(p, model, cache)}
+        rows = []
+        for b in BUDGETS:
+            arms = {}
+            for arm, extra in (("allocator", []), ("gates_held", ["--hold-gates"])):
+                p = work / f"{name}-auto{b}-{arm}{'-im' if im else ''}.gguf"
+                t0 = time.perf_counter()
+                cli("quantize", f32, "--target-bpw", b, *calib, *imx, *extra, "--out", p, env=env)
+                arms[arm] = {"path": p, "seconds": round(time.perf_counter() - t0, 1), **evaluate(p, model, cache)}
+            a = arms["allocator"]
+            fits = [t for t in STANDARD if std[t]["bytes"] <= a["bytes"]]
+            best = min(fits, key=lambda t: std[t]["kld_mean"]) if fits else None
+            row = {"budget_bpw": b,
+                   "bits_per_weight": json.loads(Path(str(a["path"]) + ".allocation.json").read_text())["bits_per_weight"],
+                   **{arm: {k: v for k, v in d.items() if k not in ("path", "per_window")} for arm, d in arms.items()},
+                   "held_vs_free_gates": paired_ratio(arms["gates_held"]["per_window"], a["per_window"]),
+                   "types": json.loads(Path(str(a["path"]) + ".allocation.json").read_text())["types"],
+                   "best_standard": best}
+            if best:
+                row["allocator_vs_best_standard"] = paired_ratio(a["per_window"], std[best]["per_window"])
+                row["speed_vs_best_standard"] = speed_pair(a["path"], std[best]["path"])
+            rows.append(row)
+            for d in arms.values():
+                d["path"].unlink()
+                Path(str(d["path"]) + ".allocation.json").unlink(missing_ok=True)
+            print(json.dumps({"twin": name, "imatrix": im, "budget": b, "best_standard": best,
+                              **({"ratio": row["allocator_vs_best_standard"],
+                                  "decode": row["speed_vs_best_standard"]["decode"]["ratio_median"]} if best else {}),
+                              "held_vs_free": row["held_vs_free_gates"]}), flush=True)
+        for d in std.values():
+            d["path"].unlink()
+        variants["imatrix" if im else "plain"] = {
+            "standard": {t: {"bits_per_weight": 8 * d["bytes"] / _weights(f32), **{k: v for k, v in d.items()
+                                                                                  if k not in ("path", "per_window")}}
+                         for t, d in std.items()},
+            "budgets": rows}
     f32.unlink()
-    return {"twin": name, "rows": rows}
+    return {"twin": name, **variants}
+
+
+def _weights(f32: Path) -> int:
+    from quantgate.formats.gguf import open_reader
+    return sum(int(np.prod([int(d) for d in t.shape])) for t in open_reader(f32).tensors)
+
+
+def write_tables(result: dict) -> None:
+    lines = ["# Allocator vs llama.cpp's standard types, 3.5 to 6.5 bits per weight", ""]
+    for arch, entry in result["archs"].items():
+        lines += [f"## {arch} twins", "",
+                  f"`{entry['command']}` at {entry['commit']} ({entry['seconds'] / 60:.0f} min); twins: "
+                  f"`{entry['train']}`; KLD against the float twin on {EVAL['windows']} windows of {EVAL['ctx']} "
+                  f"tokens of the embedded corpus's test split; sensitivity and importance matrix on "
+                  f"{CALIB['windows']} calibration windows of {CALIB['ctx']} tokens (valid split). Ratios: mean KLD, "
+                  f"paired window bootstrap, 95% interval. Speed: llama.cpp, {SPEED['threads']} thread, F16 KV, "
+                  f"prefill {SPEED['prefill']} then decode {SPEED['decode']}, median per-round ratio of "
+                  f"{SPEED['rounds']} alternated rounds [min, max].", "",
+                  "| twin | imatrix | budget | bpw | KLD allocator [95%] | KLD p99 [95%] | best standard <= size | alloc/standard "
+                  "KLD | decode alloc/std | prefill alloc/std | gates held/free |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for tw in entry["twins"]:
+            for var in ("plain", "imatrix"):
+                for r in tw[var]["budgets"]:
+                    a, h = r["allocator"], r["held_vs_free_gates"]
+                    ci = a["kld_mean_ci95"] or [float("nan")] * 2
+                    p99 = a["kld_p99_ci95"] or [float("nan")] * 2
+                    if r["best_standard"]:
+                        c, sp = r["allocator_vs_best_standard"], r["speed_vs_best_standard"]
+                        cmp = (f"{r['best_standard']} | {c['ratio']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}] | "
+                               f"{sp['decode']['ratio_median']:.3f} [{sp['decode']['ratio_range'][0]:.2f}, "
+                               f"{sp['decode']['ratio_range'][1]:.2f}] | {sp['prefill']['ratio_median']:.3f} "
+                               f"[{sp['prefill']['ratio_range'][0]:.2f}, {sp['prefill']['ratio_range'][1]:.2f}]")
+                    else:
+                        cmp = "none this small | - | - | -"
+                    lines.append(f"| {tw['twin']} | {'yes' if var == 'imatrix' else 'no'} | {r['budget_bpw']} | "
+                                 f"{r['bits_per_weight']:.3f} | {a['kld_mean']:.4g} [{ci[0]:.4g}, {ci[1]:.4g}] | "
+                                 f"{a['kld_p99']:.4g} [{p99[0]:.4g}, {p99[1]:.4g}] | "
+                                 f"{cmp} | {h['ratio']:.3f} [{h['ci95'][0]:.3f}, {h['ci95'][1]:.3f}] |")
+        lines += ["", "llama.cpp's standard types on the same twins (bits per weight, mean KLD [95%]):", "",
+                  "| twin | imatrix | " + " | ".join(STANDARD) + " |", "|---|---|" + "---|" * len(STANDARD)]
+        for tw in entry["twins"]:
+            for var in ("plain", "imatrix"):
+                cells = [f"{tw[var]['standard'][t]['bits_per_weight']:.2f}: {tw[var]['standard'][t]['kld_mean']:.4g}"
+                         for t in STANDARD]
+                lines.append(f"| {tw['twin']} | {'yes' if var == 'imatrix' else 'no'} | " + " | ".join(cells) + " |")
+        lines.append("")
+    (RESULTS / "allocator.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+def plot(result: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = [(arch, tw) for arch, e in result["archs"].items() for tw in e["twins"]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    for ax, (arch, tw) in zip(axes[0], panels):
+        for var, color in (("plain", "tab:blue"), ("imatrix", "tab:orange")):
+            st = tw[var]["standard"]
+            x = [st[t]["bits_per_weight"] for t in STANDARD]
+            ax.errorbar(x, [st[t]["kld_mean"] for t in STANDARD], yerr=_err(st[t] for t in STANDARD), fmt="s",
+                        color=color, mfc="none", label=f"llama.cpp types{' + imatrix' if var == 'imatrix' else ''}")
+            for t, xi in zip(STANDARD, x):
+                if var == "plain":
+                    ax.annotate(t, (xi, st[t]["kld_mean"]), fontsize=6, xytext=(2, 4), textcoords="offset points")
+            rows = tw[var]["budgets"]
+            for arm, fmt in (("allocator", "-o"), ("gates_held", ":^")):
+                ax.errorbar([r["bits_per_weight"] for r in rows], [r[arm]["kld_mean"] for r in rows],
+                            yerr=_err(r[arm] for r in rows), fmt=fmt, color=color, ms=4,
+                            label=f"allocator{' gates held' if arm == 'gates_held' else ''}"
+                                  f"{' + imatrix' if var == 'imatrix' else ''}")
+        ax.set_yscale("log")
+        ax.set_xlabel("bits per weight")
+        ax.set_title(f"{arch}: {tw['twin']}", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("mean KLD vs float (64 test windows)")
+    axes[0][-1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "allocator.png", dpi=120)
+
+
+def _err(cells) -> np.ndarray:
+    lo, hi = [], []
+    for c in cells:
+        ci = c["kld_mean_ci95"] or [c["kld_mean"]] * 2
+        lo.append(c["kld_mean"] - ci[0])
+        hi.append(ci[1] - c["kld_mean"])
+    return np.array([lo, hi])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", choices=sorted(RECIPES), default="attention")
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--work", default=None)
+    ap.add_argument("--keep-run", default=None, help="train the twins into this folder once and reuse them")
+    ap.add_argument("--tables-only", action="store_true", help="rewrite allocator.md and .png from the JSON")
     args = ap.parse_args()
-    recipe = ["--twins", "--preset", "small", "--steps", args.steps, "--batch-size", 8, "--ctx", 128]
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="quantgate-allocator-", dir=args.work) as tmp:
-        work = Path(tmp)
-        cli("train", *recipe, "--out", work / "run")
-        twins = [run_twin(work, name, work / "run" / name, work / "cache") for name in ("baseline", "gated")]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    result = {"command": f"python benchmarks/allocator.py --steps {args.steps}", "commit": commit,
-              "train": "quantgate train " + " ".join(map(str, recipe)),
-              "eval": {**EVAL, "split": "test", "reference": "the float twin (PyTorch, fp32)"},
-              "calibration": {**CALIB, "data": "embedded", "split": "valid"},
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-              "seconds": round(time.perf_counter() - t0, 1), "twins": twins}
-    (RESULTS / "allocator.json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = ["# Allocator vs llama.cpp's standard types at the same file size", "",
-             f"`{result['command']}` at {commit}; twins: `{result['train']}`; KLD against the float twin on "
-             f"{EVAL['windows']} windows of {EVAL['ctx']} tokens of the embedded corpus's test split; sensitivity "
-             f"on {CALIB['windows']} calibration windows (valid split). Ratios: mean KLD, paired window bootstrap, "
-             f"95% interval.", "",
-             "| twin | type | bytes (standard / allocator) | KLD standard | KLD allocator | allocator/standard | "
-             "gates held/free |", "|---|---|---|---|---|---|---|"]
-    for tw in twins:
-        for r in tw["rows"]:
-            a, h = r["allocator_vs_standard"], r["held_vs_free_gates"]
-            lines.append(f"| {tw['twin']} | {r['type']} | {r['standard_bytes']:,} / {r['allocator_bytes']:,} | "
-                         f"{r['standard']['kld_mean']:.4g} | {r['allocator']['kld_mean']:.4g} | {a['ratio']:.3f} "
-                         f"[{a['ci95'][0]:.3f}, {a['ci95'][1]:.3f}] | {h['ratio']:.3f} [{h['ci95'][0]:.3f}, "
-                         f"{h['ci95'][1]:.3f}] |")
-    (RESULTS / "allocator.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    path = RESULTS / "allocator.json"
+    result = json.loads(path.read_text()) if path.is_file() else {}
+    if "archs" not in result:
+        result = {"archs": {}}  # an earlier layout (one arch, standard sizes only) is replaced
+    if not args.tables_only:
+        recipe = [*RECIPES[args.arch], "--steps", args.steps]
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="quantgate-allocator-") as tmp:
+            work = Path(tmp)
+            run = Path(args.keep_run) if args.keep_run else work / "run"
+            if not (run / "gated").is_dir():  # --keep-run: trained once, reused by a rerun
+                cli("train", *recipe, "--out", run)
+            twins = [run_twin(work, name, run / name, work / "cache") for name in ("baseline", "gated")]
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip()
+        result["archs"][args.arch] = {
+            "command": f"python benchmarks/allocator.py --arch {args.arch} --steps {args.steps}", "commit": commit,
+            "train": "quantgate train " + " ".join(map(str, recipe)),
+            "eval": {**EVAL, "split": "test", "reference": "the float twin (PyTorch, fp32)"},
+            "calibration": {**CALIB, "data": "embedded", "split": "valid"}, "speed": SPEED,
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                        "load_average_at_end": os.getloadavg()},
+            "seconds": round(time.perf_counter() - t0, 1), "twins": twins}
+        path.write_text(json.dumps(result, indent=1) + "\n")
+    write_tables(result)
+    plot(result)
 
 
 if __name__ == "__main__":

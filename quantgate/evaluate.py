@@ -23,7 +23,7 @@ from .progress import track
 from .reference import REFERENCE_WINDOWS, reference_logits
 from .runners import Runner
 from .runners.open import fixed_ctx, open_runner
-from .stats import cell_intervals
+from .stats import cell_intervals, quantile_interval
 
 # eval_windows, default_split and check_ctx (the split and window policy) live in quantgate.calib_data and
 # token_nll in quantgate.metrics; re-exported here for one release
@@ -178,5 +178,6 @@ def compare_to_reference(runner: Runner, ref_logits: np.ndarray, windows: np.nda
     return {"ppl": ppl, "mean_nll": float(nll.mean()), "n_tokens": int(nll.size), "n_windows": len(windows),
             "ctx": int(windows.shape[1]), "reference_ppl": ref_ppl, "delta_ppl": ppl - ref_ppl,
             "delta_ppl_pct": 100 * (ppl / ref_ppl - 1), **summary, **cell_intervals(per_window),
+            "kld_p99_ci95": quantile_interval(kld.reshape(len(windows), -1), 99, docs),
             # per-window means, the units the report's bootstrap resamples; the windows' id pairs two twins' cells
             "per_window": per_window, "windows_id": hashlib.sha256(windows.tobytes()).hexdigest()[:16]}

@@ -175,6 +175,25 @@ def mean_interval(x, groups=None) -> list[float] | None:
     return interval(lambda a: a.mean(axis=1), x, groups=groups)
 
 
+QUANTILE_RESAMPLES = 400  # a percentile of every token costs more than a mean of window means: fewer resamples
+
+
+def quantile_interval(values, q: float, groups=None, n_resamples: int = QUANTILE_RESAMPLES,
+                      seed: int = SEED) -> list[float] | None:
+    """95% interval of the q-th percentile over every position of [windows, positions] `values` (a KLD's p99),
+    resampling windows or their documents as `bootstrap` does; None below MIN_UNITS units."""
+    v = np.asarray(values, dtype=np.float64)
+    if v.ndim != 2 or len(v) < MIN_UNITS:
+        return None
+    units = units_of(groups, len(v))
+    if units.max() + 1 < MIN_UNITS:
+        return None
+    members = [np.flatnonzero(units == u) for u in range(units.max() + 1)]
+    draws = resamples(len(members), n_resamples, seed)
+    stats = np.array([np.percentile(v[np.concatenate([members[u] for u in row])], q) for row in draws])
+    return percentiles(stats, LEVEL)
+
+
 def ratio_of_means(num, den, groups=None) -> tuple[float, list[float] | None]:
     """mean(num) / mean(den), paired by unit."""
     num, den = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)

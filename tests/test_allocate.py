@@ -89,6 +89,11 @@ def test_quantize_target_bpw_writes_the_chosen_types_within_the_budget(f32_gguf,
     assert len(set(summary["types"].values())) >= 2  # a mixture, not one type
     side = json.loads((tmp_path / "auto.gguf.allocation.json").read_text())
     assert side["types"] == summary["types"] and side["sensitivity"]["base_type"] == "Q8_0"
+    from gguf import GGUFReader
+    fields = GGUFReader(out).fields  # the type map is in the file too
+    in_file = dict(x.split("=") for x in fields["quantgate.allocation.tensor_types"].contents())
+    assert in_file == summary["types"] and fields["quantgate.allocation.target"].contents() == "6 bpw"
+    assert fields["quantgate.allocation.predicted_kld"].contents() == pytest.approx(summary["predicted_kld"], rel=1e-6)
     with LlamaRunner(out, n_ctx=32) as runner:  # stock llama.cpp opens it
         assert np.isfinite(runner.logits(np.array([[1, 2, 3, 4]]))).all()
     # the gate A/B's held arm, from the cached sensitivity: the gates take the allocation's base type
@@ -116,3 +121,42 @@ def test_a_budget_the_model_cannot_meet_is_one_line_and_writes_nothing(f32_gguf,
                 env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
     assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_metadata_copy_keeps_every_tensor_byte_and_adds_or_replaces_keys(f32_gguf, tmp_path):
+    from gguf import GGUFReader
+
+    from quantgate.formats.gguf_metadata import copy_with_metadata
+    from quantgate.quant.llama_cpp import run_quantizer
+    q = tmp_path / "q.gguf"
+    run_quantizer(f32_gguf, q, "Q4_K_M", [])
+    out = tmp_path / "q-meta.gguf"
+    copy_with_metadata(q, out, {"quantgate.test.names": ["a=Q4_K", "b=Q8_0"], "quantgate.test.n": 3,
+                                "general.name": "renamed"})
+    a, b = GGUFReader(q), GGUFReader(out)
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    for ta, tb in zip(a.tensors, b.tensors):
+        assert ta.tensor_type == tb.tensor_type and np.array_equal(np.asarray(ta.data), np.asarray(tb.data)), ta.name
+    assert b.fields["quantgate.test.names"].contents() == ["a=Q4_K", "b=Q8_0"]
+    assert b.fields["quantgate.test.n"].contents() == 3 and b.fields["general.name"].contents() == "renamed"
+    kept = set(a.fields) - {"general.name"}
+    assert all(str(a.fields[k].contents()) == str(b.fields[k].contents()) for k in kept if not k.startswith("GGUF."))
+
+
+def test_a_budget_scheme_runs_the_allocator_with_an_importance_matrix(f32_gguf, tmp_path, monkeypatch):
+    """`gguf:auto@6+imatrix`, as a report cell names it: the registry's config, quantize's one door, and
+    sensitivity measured with the importance matrix (other numbers than without it)."""
+    from gguf import GGUFReader
+
+    from quantgate.quant import CalibSettings, get, quantize
+    monkeypatch.setenv("QUANTGATE_CACHE", str(tmp_path / "cache"))
+    calib = CalibSettings(windows=2, ctx=32)
+    plain = quantize(f32_gguf, get("gguf", "auto@6"), tmp_path / "plain.gguf", calib)
+    with_im = quantize(f32_gguf, get("gguf", "auto@6+imatrix"), tmp_path / "im.gguf", calib)
+    assert with_im["imatrix"] and not plain["imatrix"] and with_im["bits_per_weight"] <= 6.0
+    assert GGUFReader(tmp_path / "im.gguf").fields["quantgate.allocation.imatrix"].contents() is True
+    d0, d1 = plain["sensitivity"]["delta"], with_im["sensitivity"]["delta"]
+    assert d0.keys() == d1.keys() and d0 != d1
+    assert len(list((tmp_path / "cache").glob("sens-*.json"))) == 2
+    with pytest.raises(QuantgateError, match="between 1 and 32"):
+        get("gguf", "auto@64")

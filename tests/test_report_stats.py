@@ -155,3 +155,15 @@ def test_interval_helpers():
     assert c["spearman"] == pytest.approx(1.0) and c["pearson"] > 0.9
     s = across_seeds([1.0, 1.2, 0.8])
     assert s["mean"] == pytest.approx(1.0) and s["ci95"][0] < 1.0 < s["ci95"][1] and s["n"] == 3
+
+
+def test_p99_interval_covers_the_pooled_percentile_and_narrows_with_more_windows(rng):
+    from quantgate.stats import quantile_interval
+    small, large = rng.exponential(size=(32, 64)), rng.exponential(size=(512, 64))
+    for v in (small, large):
+        lo, hi = quantile_interval(v, 99)
+        assert lo < np.percentile(v, 99) < hi and lo > 0
+    assert np.diff(quantile_interval(large, 99))[0] < np.diff(quantile_interval(small, 99))[0]
+    assert quantile_interval(small[:4], 99) is None  # too few windows: no interval
+    docs = np.repeat(np.arange(16), 2)  # resampled by document: still an interval
+    assert quantile_interval(small, 99, docs) is not None

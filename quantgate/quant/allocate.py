@@ -15,7 +15,8 @@
    benchmark checks against the written file); under a byte budget this is a multiple-choice knapsack, solved by
    dynamic programming over the budget. Bytes per type are ggml's block sizes.
 4. The file is written by llama.cpp's quantizer with one override per unit, so stock llama.cpp opens it; the
-   chosen type of every tensor goes to a JSON beside it (`X.gguf.allocation.json`).
+   chosen type of every tensor goes to the file's metadata (`quantgate.allocation.tensor_types`, with the target and
+   the predicted KLD) and to a JSON beside it with the measured sensitivity (`X.gguf.allocation.json`).
 
 Written by hand: llama.cpp's `--target-bpw` is an unmerged PR and no library allocates llama.cpp types from
 measured KLD under a size budget.
@@ -36,6 +37,8 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from ..calib_data import calibration_windows, check_ctx, data_paths
 from ..errors import QuantgateError
+from ..formats import load_checkpoint
+from ..formats.gguf_metadata import copy_with_metadata
 from ..formats.kind import GGUF_SUFFIX
 from ..formats.gguf import inspect_gguf, open_reader, tokenizer_from_gguf
 from ..fsio import atomic_path, check_output, write_json
@@ -44,7 +47,7 @@ from ..metrics import window_scores
 from ..progress import track
 from ..reference import cache_dir
 from ..runners.open import fixed_ctx, open_runner
-from .llama_cpp import run_quantizer
+from .llama_cpp import importance_matrix, run_quantizer
 from .schemes import ggml_type
 
 CANDIDATES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0")  # tensor types llama.cpp's own mixtures use
@@ -113,15 +116,16 @@ class Sensitivity:
 
 def measure_sensitivity(src: str | Path, units: list[Unit], calib_data: str = "embedded", n_windows: int = 8,
                         ctx: int = 128, seed: int = 0, threads: int | None = None,
-                        work: Path | None = None) -> Sensitivity:
+                        work: Path | None = None, im: dict | None = None) -> Sensitivity:
     """Each unit's KLD increase over the base file when it alone takes each candidate type (see the module
-    docstring), cached by content."""
+    docstring), cached by content. `im`: the importance matrix every quantization takes (the file will be written
+    with it, so its sensitivity is measured with it)."""
     src = Path(src)
     tok = tokenizer_from_gguf(open_reader(src))
     check_ctx(ctx, inspect_gguf(src).context_length, src)
     windows = calibration_windows(tok, calib_data, n_windows, ctx, seed)
     k = key("sensitivity", content_id(src), code_id(), BASE, [(u.name, u.candidates()) for u in units],
-            hashlib.sha256(windows.tobytes()).hexdigest())
+            hashlib.sha256(windows.tobytes()).hexdigest(), _im_digest(im))
     cached = cache_dir() / f"sens-{k}.json"
     if cached.is_file():
         d = json.loads(cached.read_text())
@@ -136,7 +140,7 @@ def measure_sensitivity(src: str | Path, units: list[Unit], calib_data: str = "e
         os.close(fd)
         tmp = Path(name)
         try:
-            written = run_quantizer(src, tmp, BASE, _overrides(assign), threads=threads)
+            written = run_quantizer(src, tmp, BASE, _overrides(assign), im, threads=threads)
             lg = _logits(tmp, windows, threads)
         finally:
             tmp.unlink(missing_ok=True)
@@ -153,6 +157,16 @@ def measure_sensitivity(src: str | Path, units: list[Unit], calib_data: str = "e
     sens = Sensitivity(base_kld, delta, len(windows), ctx, calib_data)
     write_json(cached, sens.to_dict())
     return sens
+
+
+def _im_digest(im: dict | None) -> str | None:
+    if im is None:
+        return None
+    h = hashlib.sha256()
+    for name in sorted(im):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(im[name], dtype=np.float32).tobytes())
+    return h.hexdigest()
 
 
 def _logits(path: Path, windows: np.ndarray, threads: int | None) -> np.ndarray:
@@ -303,11 +317,13 @@ def budget_from(units: list[Unit], total_elements: int, other_bytes: int, header
 
 def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = None, target_bytes: int | None = None,
                   calib_data: str = "embedded", calib_windows: int = 8, ctx: int = 128, seed: int = 0,
-                  threads: int | None = None, hold_gates: bool = False) -> dict:
+                  threads: int | None = None, hold_gates: bool = False, imatrix: bool = False) -> dict:
     """Write `out` from the F32/F16/BF16 GGUF `src` with per-tensor types chosen under the target (bits per weight
-    over all tensors, or tensor bytes); `hold_gates` keeps the gate units at the allocation's base type (the A/B's
-    held arm: the same budget, the gates given no more bits than most of the model).
-    Returns the summary, which also lands in `out`.allocation.json."""
+    over all tensors, or file bytes); `hold_gates` keeps the gate units at the allocation's base type (the A/B's
+    held arm: the same budget, the gates given no more bits than most of the model); `imatrix`: every
+    quantization, the measured ones and the written file, takes an importance matrix from the calibration windows.
+    The chosen types land in the file's metadata (quantgate.allocation.*) and, with the measured sensitivity, in
+    `out`.allocation.json. Returns that summary."""
     if (target_bpw is None) == (target_bytes is None):
         raise QuantgateError("give one target: --target-bpw or --target-size")
     if target_bpw is not None and not 1.0 <= target_bpw <= 32.0:
@@ -324,24 +340,54 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
     names = {u.name for u in units}
     float_bytes = sum(int(t.n_bytes) for t in tensors)
     other = sum(int(t.n_bytes) for t in tensors if t.name not in names)
-    header = src.stat().st_size - float_bytes + 32 * len(tensors)  # + each tensor's alignment padding, at most
+    header = (src.stat().st_size - float_bytes + 32 * len(tensors)  # + each tensor's alignment padding, at most
+              + _metadata_bytes(units))
     budget = budget_from(units, total, other, header, target_bpw, target_bytes, float_bytes)
-    sens = measure_sensitivity(src, units, calib_data, calib_windows, ctx, seed, threads, out.parent)
+    im = _importance(src, calib_data, calib_windows, ctx, seed) if imatrix else None
+    sens = measure_sensitivity(src, units, calib_data, calib_windows, ctx, seed, threads, out.parent, im)
     units = [u for u in units if u.name in sens.delta]  # llama.cpp quantizes these
     plan = allocate(units, sens, budget)
     if hold_gates:
         plan = allocate(units, sens, budget, held_gates(units, plan))
+    target = f"{target_bpw:g} bpw" if target_bpw is not None else f"{target_bytes} bytes"
+    meta = {f"{META}.target": target, f"{META}.predicted_kld": float(plan.predicted_kld),
+            f"{META}.hold_gates": hold_gates, f"{META}.imatrix": imatrix,
+            f"{META}.calibration": f"{calib_data}: {sens.windows} windows of {sens.ctx} tokens",
+            f"{META}.tensor_types": [f"{n}={t}" for n, t in plan.types.items()]}
     with atomic_path(out, "gguf") as tmp:
-        written = run_quantizer(src, tmp, BASE, _overrides(plan.types), threads=threads, shown=out)
-        mismatch = {n: (t, written.tensor_types.get(n)) for n, t in plan.types.items()
-                    if written.tensor_types.get(n) != t}
-        if mismatch:
-            raise QuantgateError(f"llama.cpp wrote other types than the allocation asked for: "
-                                 f"{list(mismatch.items())[:3]}")
+        fd, name = tempfile.mkstemp(prefix=".quantgate-alloc-", suffix=GGUF_SUFFIX, dir=tmp.parent)
+        os.close(fd)
+        raw = Path(name)  # llama.cpp's file, before the type map joins its metadata
+        try:
+            written = run_quantizer(src, raw, BASE, _overrides(plan.types), im, threads=threads, shown=out)
+            mismatch = {n: (t, written.tensor_types.get(n)) for n, t in plan.types.items()
+                        if written.tensor_types.get(n) != t}
+            if mismatch:
+                raise QuantgateError(f"llama.cpp wrote other types than the allocation asked for: "
+                                     f"{list(mismatch.items())[:3]}")
+            copy_with_metadata(raw, tmp, meta)
+        finally:
+            raw.unlink(missing_ok=True)
     summary = {"src": str(src), "out": str(out), "target_bpw": target_bpw, "target_bytes": target_bytes,
                "bytes": out.stat().st_size, "bits_per_weight": round(written.bits_per_weight, 4),
-               "predicted_kld": plan.predicted_kld, "hold_gates": hold_gates, "types": plan.types,
-               "gate_types": {n: t for n, t in plan.types.items() if n.endswith(GATE_UNITS)},
+               "predicted_kld": plan.predicted_kld, "hold_gates": hold_gates, "imatrix": imatrix,
+               "types": plan.types, "gate_types": {n: t for n, t in plan.types.items() if n.endswith(GATE_UNITS)},
                "sensitivity": sens.to_dict()}
     write_json(side, summary, kind="allocation")
     return summary
+
+
+META = "quantgate.allocation"  # the GGUF metadata keys the allocator adds (stock llama.cpp ignores them)
+
+
+def _metadata_bytes(units: list[Unit]) -> int:
+    """An upper bound on what the allocation's metadata adds to the file (the type map: each name, "=", a type)."""
+    return 1024 + sum(len(u.name.encode()) + 16 for u in units)
+
+
+def _importance(src: Path, calib_data: str, n_windows: int, ctx: int, seed: int) -> dict:
+    """The importance matrix `quantize --imatrix auto` computes, from the same calibration windows."""
+    loaded = load_checkpoint(src)
+    check_ctx(ctx, loaded.model.cfg.max_seq_len, src)
+    windows = calibration_windows(loaded.tokenizer, calib_data, n_windows, ctx, seed)
+    return importance_matrix(loaded.model, windows)

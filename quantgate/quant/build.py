@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import QuantgateError
+from .allocate import allocate_gguf
 from .llama_cpp import quantize_gguf
 from .ort import quantize_onnx
 from .torch_backend import quantize_checkpoint
-from .schemes import GgufScheme, OnnxScheme, TorchaoScheme, TorchScheme
+from .schemes import GgufBudget, GgufScheme, OnnxScheme, TorchaoScheme, TorchScheme
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,17 @@ def _gguf(src, s: GgufScheme, out, c: CalibSettings, threads) -> dict:
                          threads=threads)
 
 
+def _gguf_budget(src, s: GgufBudget, out, c: CalibSettings, threads) -> dict:
+    return allocate_gguf(src, out, s.target_bpw, None, c.data, c.windows, c.ctx, c.seed, threads, s.hold_gates,
+                         s.imatrix)
+
+
 def _torchao(src, s: TorchaoScheme, out, c: CalibSettings, threads) -> dict:
     raise QuantgateError(f"torchao:{s.name} quantizes when the model is loaded: quantgate eval MODEL --torchao {s.name}")
 
 
-HANDLERS = {TorchScheme: _torch, OnnxScheme: _onnx, GgufScheme: _gguf, TorchaoScheme: _torchao}
+HANDLERS = {TorchScheme: _torch, OnnxScheme: _onnx, GgufScheme: _gguf, GgufBudget: _gguf_budget,
+            TorchaoScheme: _torchao}
 
 
 def quantize(source: str | Path, scheme, out: str | Path, calib: CalibSettings = CalibSettings(),

@@ -24,6 +24,7 @@ that tensor can keep both rows or neither. The names are the ones each backend h
 """
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
 
@@ -244,6 +245,42 @@ class GgufScheme:
                 "artifact": "nothing: a run-time option (eval/generate --kv-type)" if self.kv_type else ".gguf file"}
 
 
+@dataclass(frozen=True)
+class GgufBudget:
+    """Per-tensor llama.cpp types chosen by quantgate's allocator (quant.allocate) under a bits-per-weight budget:
+    `auto@4.5`; `+imatrix` gives every quantization an importance matrix, `+held` holds the gates at the
+    allocation's base type (the gate A/B's other arm). Not listed in the registry (any budget is one): `get`
+    reads the name."""
+    backend: ClassVar[str] = "gguf"
+    name: str
+    target_bpw: float
+    imatrix: bool = False
+    hold_gates: bool = False
+    keep: ClassVar[None] = None
+    kv_type: ClassVar[None] = None
+    needs_calibration: ClassVar[bool] = True  # sensitivity is measured on calibration windows
+
+    def describe(self) -> dict:
+        return {"weights": f"allocated llama.cpp types per tensor, <= {self.target_bpw:g} bpw"
+                           + (" + imatrix" if self.imatrix else "") + (", gates held" if self.hold_gates else ""),
+                "weight_bits": self.target_bpw, "group_size": None, "activations": "float", "kv_cache": None,
+                "artifact": ".gguf file"}
+
+
+BUDGET_NAME = re.compile(r"auto@([0-9]+(?:\.[0-9]+)?)((?:\+imatrix|\+held)*)")
+
+
+def gguf_budget(name: str) -> GgufBudget | None:
+    """`auto@BPW[+imatrix][+held]` as its config; None for any other name; one line for a budget out of range."""
+    m = BUDGET_NAME.fullmatch(name)
+    if m is None:
+        return None
+    bpw, flags = float(m.group(1)), m.group(2)
+    if not 1.0 <= bpw <= 32.0:
+        raise QuantgateError(f"gguf:{name}: the budget must be between 1 and 32 bits per weight")
+    return GgufBudget(name, bpw, imatrix="+imatrix" in flags, hold_gates="+held" in flags)
+
+
 # --- torchao (real integer kernels, applied when the model is loaded: `eval --torchao`) -----------------
 
 @dataclass(frozen=True)
@@ -315,14 +352,15 @@ def names(backend: str) -> list[str]:
 def get(backend: str, name: str, what: str | None = None, **overrides):
     """The registry's config for `backend:name` (with dataclass overrides, e.g. block_size=64); an unknown
     name is one error line listing the choices (`what` names them, e.g. "GGUF type")."""
-    s = SCHEMES.get(f"{backend}:{name}")
+    s = SCHEMES.get(f"{backend}:{name}") or (gguf_budget(name) if backend == "gguf" and what is None else None)
     if s is None:
         listed = names(backend)
         tail = ""
         if backend == "gguf":  # the +gate8 and kv- variants are spelled out as a rule, not listed
             listed = [n for n in listed if "+" not in n and not n.startswith("kv-")]
             if what is None:  # a report cell: the kv- run-time variants are cells too
-                tail = "; any type below 8 bits takes +gate8, and kv-q8_0 or kv-q4_0 run an F16 file with that KV cache"
+                tail = ("; any type below 8 bits takes +gate8, kv-q8_0 or kv-q4_0 run an F16 file with that KV cache, "
+                        "and auto@BPW[+imatrix][+held] allocates types per tensor under BPW bits per weight")
         raise QuantgateError(f"unknown {what or backend + ' scheme'} {name!r}; choose from {', '.join(listed)}{tail}")
     return replace(s, **overrides) if overrides else s
 

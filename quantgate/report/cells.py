@@ -134,7 +134,8 @@ def gguf_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, sc
     else:
         k32 = ident_key("gguf-F32", ident.code, ident.models[twin])
         f32 = arts.get(root / f"{twin}-F32.gguf", k32, lambda p: export_gguf(src, p, "f32"))
-        art = arts.get(root / f"{twin}-{scheme_file}.gguf", ident_key("gguf", k32, scheme_file),
+        calib = ident.calibration(s) if sch.needs_calibration else []  # an imatrix or allocation depends on it
+        art = arts.get(root / f"{twin}-{scheme_file}.gguf", ident_key("gguf", k32, scheme_file, *calib),
                        lambda p: quantize(f32, sch, p, _calib(s), threads=s.threads))
     ev = evaluate_model(str(art), s.data, s.ctx, max_windows=s.windows, reference=src, kv_type=kv, threads=s.threads)
     speed_kv = kv if kv != "f32" else "f16"  # llama.cpp's default: what a user runs (scored at f32 for parity)
