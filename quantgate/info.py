@@ -43,6 +43,9 @@ def _header(path: str):
                           "bits_per_weight": round(g.bits_per_weight, 3), "exported_gate": g.gate,
                           "source_layout": g.source_layout, "identity_layers": g.n_blocks - g.n_layers - g.nextn_layers,
                           "mtp_layers": g.nextn_layers}}
+        alloc = _allocation(reader)
+        if alloc:
+            facts["allocation"] = alloc
         return cfg, f"gguf:{g.arch}", n, tok, facts
     if kind == "onnx":
         return _onnx_header(path)
@@ -58,6 +61,20 @@ def _header(path: str):
         facts = {"quantization": {"scheme": loaded.model.cfg.extra["quant_scheme"].get("name"),
                                   "block_bits_per_weight": block_bits_per_weight(loaded.model)}}
     return loaded.model.cfg, loaded.layout, loaded.model.num_params(), loaded.tokenizer, facts
+
+
+def _allocation(reader) -> dict | None:
+    """What quantgate's allocator recorded in a GGUF it wrote (quantgate.allocation.*): the target, the predicted
+    KLD and how many tensors took each type."""
+    prefix = "quantgate.allocation."
+    fields = {k[len(prefix):]: f.contents() for k, f in reader.fields.items() if k.startswith(prefix)}
+    if "tensor_types" not in fields:
+        return None
+    counts: dict[str, int] = {}
+    for item in fields.pop("tensor_types"):
+        t = str(item).rpartition("=")[2]
+        counts[t] = counts.get(t, 0) + 1
+    return {**fields, "tensor_type_counts": dict(sorted(counts.items()))}
 
 
 def _onnx_header(path: str):

@@ -94,6 +94,10 @@ def test_quantize_target_bpw_writes_the_chosen_types_within_the_budget(f32_gguf,
     in_file = dict(x.split("=") for x in fields["quantgate.allocation.tensor_types"].contents())
     assert in_file == summary["types"] and fields["quantgate.allocation.target"].contents() == "6 bpw"
     assert fields["quantgate.allocation.predicted_kld"].contents() == pytest.approx(summary["predicted_kld"], rel=1e-6)
+    shown = run_cli("info", out, "--json")  # info reads the allocation back from the file
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    alloc = json.loads(shown.stdout)["allocation"]
+    assert alloc["target"] == "6 bpw" and sum(alloc["tensor_type_counts"].values()) == len(summary["types"])
     with LlamaRunner(out, n_ctx=32) as runner:  # stock llama.cpp opens it
         assert np.isfinite(runner.logits(np.array([[1, 2, 3, 4]]))).all()
     # the gate A/B's held arm, from the cached sensitivity: the gates take the allocation's base type
@@ -160,3 +164,14 @@ def test_a_budget_scheme_runs_the_allocator_with_an_importance_matrix(f32_gguf, 
     assert len(list((tmp_path / "cache").glob("sens-*.json"))) == 2
     with pytest.raises(QuantgateError, match="between 1 and 32"):
         get("gguf", "auto@64")
+
+
+def test_report_settings_take_budget_cells_and_refuse_bad_ones(tmp_path):
+    from quantgate.report.settings import ReportSettings, check_settings
+    s = ReportSettings("b", "g", str(tmp_path / "r"), backends=("gguf",),
+                       schemes={"gguf": ["Q4_K_M", "auto@4.5", "auto@5+imatrix+held"]})
+    check_settings(s)
+    for bad, needle in (("auto@0.5", "between 1 and 32"), ("auto@", "unknown gguf scheme"),
+                        ("auto@4.5+fast", "unknown gguf scheme")):
+        with pytest.raises(QuantgateError, match=needle):
+            check_settings(ReportSettings("b", "g", str(tmp_path / "r"), backends=("gguf",), schemes={"gguf": [bad]}))
