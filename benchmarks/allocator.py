@@ -1,6 +1,7 @@
 """The bit allocator against llama.cpp's standard types, at budgets from 3.5 to 6.5 bits per weight (issue 36).
 
-For the twins of one CPU-trained pair (`--arch attention`: the demo's `small` twins; `--arch hybrid`: Qwen3.5-style
+For the twins of one CPU-trained pair (`--arch attention`: the demo's `small` twins, whose d=128 rows take only
+llama.cpp's 32-blocks; `--arch medium`: a larger pair whose every row takes k-quants; `--arch hybrid`: Qwen3.5-style
 hybrid twins, three of four layers Gated DeltaNet; the recipes are below, the weights are not committed), in a
 fresh folder removed afterwards, each twin, without and with an importance matrix:
 
@@ -15,6 +16,7 @@ fresh folder removed afterwards, each twin, without and with an importance matri
    runners' bench protocol (llama.cpp, F16 KV cache, one thread), with the median per-round ratio and its range.
 
     python benchmarks/allocator.py --arch attention [--steps 300] [--keep-run DIR]
+    python benchmarks/allocator.py --arch medium   # the larger pair: d=256, every row takes k-quants
     python benchmarks/allocator.py --arch hybrid
 
 Each run replaces its arch's entry in benchmarks/results/allocator.json, then writes allocator.md and allocator.png
@@ -35,12 +37,13 @@ from pathlib import Path
 import numpy as np
 
 STANDARD = ("Q3_K_M", "Q4_K_S", "Q4_K_M", "Q5_K_M", "Q6_K")
-BUDGETS = (3.5, 4.25, 5.0, 5.75, 6.5)
+BUDGETS = (3.5, 4.25, 4.75, 5.25, 5.75, 6.5)  # a budget a model cannot reach is recorded as such
 RESULTS = Path(__file__).parent / "results"
 EVAL = dict(data="embedded", ctx=128, windows=64)
 CALIB = dict(windows=8, ctx=128)
 SPEED = dict(prefill=128, decode=128, rounds=9, threads=1, kv="f16")
 RECIPES = {"attention": ["--twins", "--preset", "small", "--batch-size", 8, "--ctx", 128],
+           "medium": ["--twins", "--preset", "medium", "--batch-size", 8, "--ctx", 128],
            "hybrid": ["--twins", "--arch", "hybrid", "--preset", "small", "--batch-size", 8, "--ctx", 128]}
 
 
@@ -108,8 +111,18 @@ def run_twin(work: Path, name: str, model: Path, cache: Path) -> dict:
             for arm, extra in (("allocator", []), ("gates_held", ["--hold-gates"])):
                 p = work / f"{name}-auto{b}-{arm}{'-im' if im else ''}.gguf"
                 t0 = time.perf_counter()
-                cli("quantize", f32, "--target-bpw", b, *calib, *imx, *extra, "--out", p, env=env)
+                try:
+                    cli("quantize", f32, "--target-bpw", b, *calib, *imx, *extra, "--out", p, env=env)
+                except RuntimeError as e:
+                    if "below the smallest file" not in str(e):
+                        raise
+                    arms = {"unreachable": str(e).partition("error: ")[2].strip()}
+                    break
                 arms[arm] = {"path": p, "seconds": round(time.perf_counter() - t0, 1), **evaluate(p, model, cache)}
+            if "unreachable" in arms:
+                rows.append({"budget_bpw": b, **arms})
+                print(json.dumps({"twin": name, "imatrix": im, "budget": b, **arms}), flush=True)
+                continue
             a = arms["allocator"]
             fits = [t for t in STANDARD if std[t]["bytes"] <= a["bytes"]]
             best = min(fits, key=lambda t: std[t]["kld_mean"]) if fits else None
@@ -162,6 +175,10 @@ def write_tables(result: dict) -> None:
         for tw in entry["twins"]:
             for var in ("plain", "imatrix"):
                 for r in tw[var]["budgets"]:
+                    if "unreachable" in r:
+                        lines.append(f"| {tw['twin']} | {'yes' if var == 'imatrix' else 'no'} | {r['budget_bpw']} | "
+                                     f"unreachable: {r['unreachable']} |" + " |" * 7)
+                        continue
                     a, h = r["allocator"], r["held_vs_free_gates"]
                     ci = a["kld_mean_ci95"] or [float("nan")] * 2
                     p99 = a["kld_p99_ci95"] or [float("nan")] * 2
@@ -204,7 +221,7 @@ def plot(result: dict) -> None:
             for t, xi in zip(STANDARD, x):
                 if var == "plain":
                     ax.annotate(t, (xi, st[t]["kld_mean"]), fontsize=6, xytext=(2, 4), textcoords="offset points")
-            rows = tw[var]["budgets"]
+            rows = [r for r in tw[var]["budgets"] if "unreachable" not in r]
             for arm, fmt in (("allocator", "-o"), ("gates_held", ":^")):
                 ax.errorbar([r["bits_per_weight"] for r in rows], [r[arm]["kld_mean"] for r in rows],
                             yerr=_err(r[arm] for r in rows), fmt=fmt, color=color, ms=4,

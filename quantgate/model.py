@@ -190,6 +190,10 @@ PRESETS: dict[str, ModelConfig] = {
                         ffn_dim=256, max_seq_len=512),
     "small": ModelConfig(vocab_size=4096, dim=128, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=32,
                          ffn_dim=512, max_seq_len=1024),
+    # medium: every weight row a multiple of 256, so llama.cpp's k-quants apply to all of them (small's d=128 rows
+    # fall back to 32-blocks); still trains on a laptop CPU in minutes
+    "medium": ModelConfig(vocab_size=8192, dim=256, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=64,
+                          ffn_dim=768, max_seq_len=1024),
     "base": ModelConfig(vocab_size=32768, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64,
                         ffn_dim=2048, max_seq_len=2048),
 }

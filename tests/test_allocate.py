@@ -18,7 +18,7 @@ def _sens(units, rng):
     delta = {}
     for u in units:
         scale = rng.uniform(0.1, 5.0)
-        delta[u.name] = {t: scale * 2.0 ** (-{"Q4_0": 4.5, "Q5_0": 5.5, "Q8_0": 8.5}[t]) * (t != "Q8_0")
+        delta[u.name] = {t: scale * 2.0 ** (-{"IQ4_NL": 4.7, "Q4_0": 4.5, "Q5_0": 5.5, "Q8_0": 8.5}[t]) * (t != "Q8_0")
                          for t in u.candidates()}
     return Sensitivity(0.01, delta, 4, 64, "embedded")
 
@@ -33,11 +33,11 @@ def test_allocation_meets_the_budget_and_beats_every_uniform_type_that_fits(seed
         plan = allocate(units, sens, int(budget))
         assert plan.unit_bytes <= budget
         assert plan.predicted_kld == pytest.approx(0.01 + sum(sens.delta[n][t] for n, t in plan.types.items()))
-        for t in ("Q4_0", "Q5_0", "Q8_0"):  # the standard answer: one type everywhere
+        for t in units[0].candidates():  # the standard answer: one type everywhere
             if sum(u.bytes(t) for u in units) <= budget:
                 assert plan.predicted_kld <= 0.01 + sum(sens.delta[u.name][t] for u in units) + 1e-12
         best = min(0.01 + sum(sens.delta[u.name][t] for u, t in zip(units, combo))
-                   for combo in itertools.product(("Q4_0", "Q5_0", "Q8_0"), repeat=len(units))
+                   for combo in itertools.product(units[0].candidates(), repeat=len(units))
                    if sum(u.bytes(t) for u, t in zip(units, combo)) <= budget)
         assert plan.predicted_kld <= best * 1.02 + 1e-9  # the dynamic program: the exact optimum, to its rounding
 

@@ -77,6 +77,9 @@ def test_presets_sizes():
     assert build_model(PRESETS["tiny"], seed=None).num_params() < 2_000_000
     small = PRESETS["small"]
     assert (small.n_layers, small.dim, small.n_heads, small.head_dim, small.n_kv_heads) == (6, 128, 4, 32, 2)
+    medium = PRESETS["medium"]  # every Linear's input width a multiple of 256: llama.cpp's k-quants apply
+    assert all(w % 256 == 0 for w in (medium.dim, medium.n_heads * medium.head_dim, medium.ffn_dim))
+    assert 5_000_000 < build_model(medium, seed=None).num_params() < 15_000_000
     base = build_model(PRESETS["base"], seed=None).num_params()
     assert 80_000_000 < base < 130_000_000
 

@@ -50,8 +50,8 @@ from ..runners.open import fixed_ctx, open_runner
 from .llama_cpp import importance_matrix, run_quantizer
 from .schemes import ggml_type
 
-CANDIDATES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0")  # tensor types llama.cpp's own mixtures use
-SMALL_ROW_CANDIDATES = ("Q4_0", "Q5_0", "Q8_0")  # rows not a multiple of 256 take 32-blocks (llama.cpp's fallback)
+CANDIDATES = ("Q2_K", "Q3_K", "IQ4_XS", "Q4_K", "Q5_K", "Q6_K", "Q8_0")  # types llama.cpp's own mixtures use
+SMALL_ROW_CANDIDATES = ("IQ4_NL", "Q4_0", "Q5_0", "Q8_0")  # rows not a multiple of 256: 32-blocks (llama.cpp's fallbacks)
 BASE = "Q8_0"  # every unit's type while another one is measured
 GATE_UNITS = (".attn_q.weight", ".attn_gate.weight", ".ssm_alpha.weight", ".ssm_beta.weight", ".ssm_out.weight")
 
