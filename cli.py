@@ -95,6 +95,7 @@ def _one_line(e) -> str:
 
 class QuantgateGroup(click.Group):
     def parse_args(self, ctx, args):
+        ctx.meta["quantgate.argv"] = list(args)  # what this invocation was given (not sys.argv: main(args=...))
         try:
             return super().parse_args(ctx, args)
         except click.UsageError as e:  # an unknown top-level option: one line too
@@ -147,7 +148,7 @@ def _heartbeat(ctx):
 
 def _listing(ctx) -> bool:
     """`quantgate quantize --list` prints a table; no work, no memory line."""
-    return ctx.invoked_subcommand == "quantize" and "--list" in sys.argv
+    return ctx.invoked_subcommand == "quantize" and "--list" in ctx.meta.get("quantgate.argv", ())
 
 
 @click.group(cls=QuantgateGroup, context_settings={"help_option_names": ["-h", "--help"]})

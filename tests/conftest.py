@@ -83,12 +83,39 @@ def byte_tok():
     return byte_tokenizer()
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict | None = None):
-    """Run the installed `quantgate` command in a subprocess; returns CompletedProcess."""
+_SERVER = None  # this pytest process's CLI server (tests/cli_server.py), started by the first run_cli
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 600, env: dict | None = None, fresh: bool = False):
+    """Run the installed `quantgate` command; returns CompletedProcess (returncode -N when signal N killed it).
+
+    By default the command runs in a child forked from the CLI server, which imported quantgate.cli once: the same
+    `main` on the same argv, its own process, exit code and output, without ~2 s of interpreter start-up and
+    imports per command (the default test step runs several hundred). `fresh=True` starts a new interpreter, for
+    what a fork would not show: signals sent to a process group, environment read when a library is imported
+    (huggingface_hub, OpenMP), a process's own peak memory."""
     e = {**os.environ, "QUANTGATE_PROGRESS": "0", **(env or {})}
-    # cwd defaults away from the repository: `python -m` would otherwise import the uninstalled source tree
-    return subprocess.run([sys.executable, "-m", "quantgate.cli", *args], capture_output=True, text=True,
-                          cwd=cwd or tempfile.gettempdir(), timeout=timeout, env=e)
+    where = str(cwd or tempfile.gettempdir())  # away from the repository: `python -m` would import the source tree
+    argv = [str(a) for a in args]
+    if fresh:
+        return subprocess.run([sys.executable, "-m", "quantgate.cli", *argv], capture_output=True, text=True,
+                              cwd=where, timeout=timeout, env=e)
+    global _SERVER
+    if _SERVER is None or _SERVER.proc.poll() is not None:
+        from cli_server import CliServer
+        _SERVER = CliServer()
+    r = _SERVER.run(*argv, timeout=timeout, cwd=where, env=e)
+    if r.timeout:
+        raise subprocess.TimeoutExpired([sys.executable, "-m", "quantgate.cli", *argv], timeout, r.stdout, r.stderr)
+    code = r.code if r.code is not None else -(r.signal or 1)
+    return subprocess.CompletedProcess(["quantgate", *argv], code, r.stdout, r.stderr)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_cli_server():
+    yield
+    if _SERVER is not None:
+        _SERVER.close()
 
 
 def save_tiny_twins(d: Path, text_name: str = "text.txt") -> Path:

@@ -64,6 +64,12 @@ def test_sizes_parse_and_bad_ones_are_one_line():
 
 
 @pytest.fixture(scope="module")
+def sens_cache(tmp_path_factory):
+    """One cache for the module: the sensitivity measured by the first test is read back by the next."""
+    return tmp_path_factory.mktemp("sens-cache")
+
+
+@pytest.fixture(scope="module")
 def f32_gguf(tmp_path_factory):
     from quantgate.export.gguf import export_checkpoint
     from quantgate.formats import save_checkpoint
@@ -75,12 +81,12 @@ def f32_gguf(tmp_path_factory):
     return d / "m.gguf"
 
 
-def test_quantize_target_bpw_writes_the_chosen_types_within_the_budget(f32_gguf, tmp_path):
+def test_quantize_target_bpw_writes_the_chosen_types_within_the_budget(f32_gguf, tmp_path, sens_cache):
     from quantgate.formats import inspect_gguf
     from quantgate.runners import LlamaRunner
     out = tmp_path / "auto.gguf"
     r = run_cli("quantize", f32_gguf, "--target-bpw", "6", "--calib-windows", "2", "--ctx", "32", "--out", out,
-                "--json", env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
+                "--json", env={"QUANTGATE_CACHE": str(sens_cache)})
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads(r.stdout)
     info = inspect_gguf(out)
@@ -102,7 +108,7 @@ def test_quantize_target_bpw_writes_the_chosen_types_within_the_budget(f32_gguf,
         assert np.isfinite(runner.logits(np.array([[1, 2, 3, 4]]))).all()
     # the gate A/B's held arm, from the cached sensitivity: the gates take the allocation's base type
     held = run_cli("quantize", f32_gguf, "--target-bpw", "6", "--calib-windows", "2", "--ctx", "32", "--hold-gates",
-                   "--out", tmp_path / "held.gguf", "--json", env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
+                   "--out", tmp_path / "held.gguf", "--json", env={"QUANTGATE_CACHE": str(sens_cache)})
     assert held.returncode == 0, held.stderr[-2000:]
     h = json.loads(held.stdout)
     from quantgate.formats.gguf import open_reader
@@ -147,13 +153,14 @@ def test_metadata_copy_keeps_every_tensor_byte_and_adds_or_replaces_keys(f32_ggu
     assert all(str(a.fields[k].contents()) == str(b.fields[k].contents()) for k in kept if not k.startswith("GGUF."))
 
 
-def test_a_budget_scheme_runs_the_allocator_with_an_importance_matrix(f32_gguf, tmp_path, monkeypatch):
+def test_a_budget_scheme_runs_the_allocator_with_an_importance_matrix(f32_gguf, tmp_path, monkeypatch, sens_cache):
     """`gguf:auto@6+imatrix`, as a report cell names it: the registry's config, quantize's one door, and
-    sensitivity measured with the importance matrix (other numbers than without it)."""
+    sensitivity measured with the importance matrix (other numbers than without it; the plain one is the CLI
+    test's, read back from the cache)."""
     from gguf import GGUFReader
 
     from quantgate.quant import CalibSettings, get, quantize
-    monkeypatch.setenv("QUANTGATE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("QUANTGATE_CACHE", str(sens_cache))
     calib = CalibSettings(windows=2, ctx=32)
     plain = quantize(f32_gguf, get("gguf", "auto@6"), tmp_path / "plain.gguf", calib)
     with_im = quantize(f32_gguf, get("gguf", "auto@6+imatrix"), tmp_path / "im.gguf", calib)
@@ -161,7 +168,7 @@ def test_a_budget_scheme_runs_the_allocator_with_an_importance_matrix(f32_gguf, 
     assert GGUFReader(tmp_path / "im.gguf").fields["quantgate.allocation.imatrix"].contents() is True
     d0, d1 = plain["sensitivity"]["delta"], with_im["sensitivity"]["delta"]
     assert d0.keys() == d1.keys() and d0 != d1
-    assert len(list((tmp_path / "cache").glob("sens-*.json"))) == 2
+    assert len(list(sens_cache.glob("sens-*.json"))) == 2
     with pytest.raises(QuantgateError, match="between 1 and 32"):
         get("gguf", "auto@64")
 

@@ -33,7 +33,7 @@ def cache(tmp_path, monkeypatch):
 def test_a_cached_repo_id_loads_offline(cache, tmp_path):
     loaded = load_checkpoint("acme/tiny-hybrid")
     assert loaded.layout == "qwen3_5" and COMMIT in str(loaded.path)
-    r = run_cli("info", "acme/tiny-hybrid", env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    r = run_cli("info", "acme/tiny-hybrid", env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}, fresh=True)
     assert r.returncode == 0 and "qwen3_5" in r.stdout, r.stderr[-1500:]
 
 
@@ -42,7 +42,7 @@ def test_an_uncached_repo_id_offline_is_one_line_and_writes_nothing(cache, tmp_p
         load_checkpoint("acme/absent")
     before = dir_snapshot(tmp_path)
     r = run_cli("export", "gguf", "acme/absent", "--out", str(tmp_path / "x.gguf"),
-                env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+                env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}, fresh=True)
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "not in" in lines[0] and "HF_HUB_OFFLINE" in lines[0], r.stderr
     assert dir_snapshot(tmp_path) == before
@@ -59,6 +59,6 @@ def test_a_local_folder_of_that_name_wins(tmp_path, monkeypatch):
 def test_a_repo_id_the_hub_rejects_is_one_line(cache, tmp_path, name):
     with pytest.raises(QuantgateError, match="not a repo id the Hugging Face Hub accepts"):
         load_checkpoint(name)
-    r = run_cli("info", name, env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}, cwd=tmp_path)
+    r = run_cli("info", name, env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}, cwd=tmp_path, fresh=True)
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "Hub accepts" in lines[0], r.stderr

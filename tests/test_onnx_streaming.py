@@ -42,6 +42,7 @@ DEFAULT_RUN = {("qwen35-gated-r2", True), ("official-headwise", True)}  # a hybr
 STORED = [pytest.param(c, b, marks=() if (c, b) in DEFAULT_RUN else pytest.mark.slow) for c, b in STORED]
 
 
+@pytest.mark.slow  # ~45 s: the default step keeps the external-data export run below
 @pytest.mark.parametrize("case,bf16", STORED, ids=[f"{p.values[0]}-{'bf16' if p.values[1] else 'fp32'}-stored" for p in STORED])
 def test_streamed_onnx_is_byte_identical_to_the_in_memory_export(tmp_path, case, bf16):
     gate, layout, is_hybrid, tied = CASES[case]
@@ -53,6 +54,7 @@ def test_streamed_onnx_is_byte_identical_to_the_in_memory_export(tmp_path, case,
     assert list(streamed) == ["model.onnx"] and streamed == whole, case  # small weights are folded into the graph
 
 
+@pytest.mark.slow  # ~22 s
 def test_small_chunks_write_the_same_file_and_one_weight_is_alive_at_a_time(tmp_path, monkeypatch):
     m = _model("elementwise", True, False)
     d = _save(m, "qwen3_5", tmp_path / "ckpt", bf16=True)

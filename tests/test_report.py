@@ -90,6 +90,7 @@ def test_html_is_self_contained_with_plots(report_run):
     assert "http://" not in page and "https://" not in page and "<script" not in page
 
 
+@pytest.mark.slow  # ~48 s; a resumed report after SIGTERM stays in the default step (bad_inputs/test_signals.py)
 def test_report_resumes_from_finished_cells(report_run):
     d, args, _ = report_run
     cell = d / "rep" / "cells" / "gguf-gated-Q4_0.json"
