@@ -104,7 +104,7 @@ def run_twin(work: Path, name: str, model: Path, cache: Path) -> dict:
         for t in STANDARD:
             p = work / f"{name}-{t}{'-im' if im else ''}.gguf"
             cli("quantize", f32, "--type", t, "--out", p, *imx, *(calib if im else []), env=env)
-            std[t] = {"path": p, **evaluate(p, model, cache)}
+            std[t] = {"path": p, "tensor_bpw": tensor_bpw(p), **evaluate(p, model, cache)}
         rows = []
         for b in BUDGETS:
             arms = {}
@@ -146,12 +146,43 @@ def run_twin(work: Path, name: str, model: Path, cache: Path) -> dict:
         for d in std.values():
             d["path"].unlink()
         variants["imatrix" if im else "plain"] = {
-            "standard": {t: {"bits_per_weight": 8 * d["bytes"] / _weights(f32), **{k: v for k, v in d.items()
-                                                                                  if k not in ("path", "per_window")}}
+            "standard": {t: {"bits_per_weight": d["tensor_bpw"], "file_bits_per_weight": 8 * d["bytes"] / _weights(f32),
+                             **{k: v for k, v in d.items() if k not in ("path", "per_window", "tensor_bpw")}}
                          for t, d in std.items()},
             "budgets": rows}
     f32.unlink()
     return {"twin": name, **variants}
+
+
+def tensor_bpw(path: Path) -> float:
+    """Bits per weight as llama.cpp counts them (tensor bytes over weights; the allocator's budget is in these):
+    the file's header (metadata, tokenizer) is not in it."""
+    from quantgate.formats import inspect_gguf
+    return inspect_gguf(path).bits_per_weight
+
+
+def restate_standard_bpw(result: dict, arch: str, run: Path) -> None:
+    """For an entry written before the standard types' bits per weight were counted as llama.cpp counts them
+    (file bytes were), quantize the same twins to the same types again (llama.cpp's quantizer and the importance
+    matrix are deterministic) and record their tensor bits per weight; nothing else changes."""
+    calib = ["--calib-windows", CALIB["windows"], "--ctx", CALIB["ctx"]]
+    with tempfile.TemporaryDirectory(prefix="quantgate-allocator-") as tmp:
+        work = Path(tmp)
+        for tw in result["archs"][arch]["twins"]:
+            f32 = work / f"{tw['twin']}-F32.gguf"
+            cli("export", "gguf", run / tw["twin"], "--out", f32, "--outtype", "f32")
+            for var in ("plain", "imatrix"):
+                for t, cell in tw[var]["standard"].items():
+                    p = work / f"{t}.gguf"
+                    cli("quantize", f32, "--type", t, "--out", p,
+                        *(["--imatrix", "auto", *calib] if var == "imatrix" else []), env={"QUANTGATE_CACHE": tmp})
+                    if p.stat().st_size != cell["bytes"]:
+                        raise RuntimeError(f"{tw['twin']} {t} {var}: {p.stat().st_size} bytes now, "
+                                           f"{cell['bytes']} then: not the same file")
+                    cell.setdefault("file_bits_per_weight", cell["bits_per_weight"])
+                    cell["bits_per_weight"] = tensor_bpw(p)
+                    p.unlink()
+            f32.unlink()
 
 
 def _weights(f32: Path) -> int:
@@ -194,7 +225,8 @@ def write_tables(result: dict) -> None:
                                  f"{r['bits_per_weight']:.3f} | {a['kld_mean']:.4g} [{ci[0]:.4g}, {ci[1]:.4g}] | "
                                  f"{a['kld_p99']:.4g} [{p99[0]:.4g}, {p99[1]:.4g}] | "
                                  f"{cmp} | {h['ratio']:.3f} [{h['ci95'][0]:.3f}, {h['ci95'][1]:.3f}] |")
-        lines += ["", "llama.cpp's standard types on the same twins (bits per weight, mean KLD [95%]):", "",
+        lines += ["", "llama.cpp's standard types on the same twins (bits per weight as llama.cpp counts them: tensor "
+                  "bytes; the file adds its header; then mean KLD):", "",
                   "| twin | imatrix | " + " | ".join(STANDARD) + " |", "|---|---|" + "---|" * len(STANDARD)]
         for tw in entry["twins"]:
             for var in ("plain", "imatrix"):
@@ -252,12 +284,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--keep-run", default=None, help="train the twins into this folder once and reuse them")
     ap.add_argument("--tables-only", action="store_true", help="rewrite allocator.md and .png from the JSON")
+    ap.add_argument("--restate-standard-bpw", action="store_true",
+                    help="with --keep-run: count the standard types' bits per weight as llama.cpp does (see "
+                         "restate_standard_bpw) in --arch's entry, then rewrite the tables")
     args = ap.parse_args()
     path = RESULTS / "allocator.json"
     result = json.loads(path.read_text()) if path.is_file() else {}
     if "archs" not in result:
         result = {"archs": {}}  # an earlier layout (one arch, standard sizes only) is replaced
-    if not args.tables_only:
+    if args.restate_standard_bpw:
+        restate_standard_bpw(result, args.arch, Path(args.keep_run))
+        path.write_text(json.dumps(result, indent=1) + "\n")
+    elif not args.tables_only:
         recipe = [*RECIPES[args.arch], "--steps", args.steps]
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="quantgate-allocator-") as tmp:
