@@ -92,13 +92,13 @@ def speed_pair(alloc: Path, std: Path) -> dict:
     return out
 
 
-def run_twin(work: Path, name: str, model: Path, cache: Path) -> dict:
+def run_twin(work: Path, name: str, model: Path, cache: Path, variants: tuple = ("plain", "imatrix")) -> dict:
     f32 = work / f"{name}-F32.gguf"
     cli("export", "gguf", model, "--out", f32, "--outtype", "f32")
     calib = ["--calib-windows", CALIB["windows"], "--ctx", CALIB["ctx"]]
     env = {"QUANTGATE_CACHE": str(cache)}
     variants = {}
-    for im in (False, True):
+    for im in [v == "imatrix" for v in variants]:
         imx = ["--imatrix", "auto"] if im else []
         std = {}
         for t in STANDARD:
@@ -171,7 +171,7 @@ def restate_standard_bpw(result: dict, arch: str, run: Path) -> None:
         for tw in result["archs"][arch]["twins"]:
             f32 = work / f"{tw['twin']}-F32.gguf"
             cli("export", "gguf", run / tw["twin"], "--out", f32, "--outtype", "f32")
-            for var in ("plain", "imatrix"):
+            for var in [v for v in ("plain", "imatrix") if v in tw]:
                 for t, cell in tw[var]["standard"].items():
                     p = work / f"{t}.gguf"
                     cli("quantize", f32, "--type", t, "--out", p,
@@ -204,7 +204,7 @@ def write_tables(result: dict) -> None:
                   "| twin | imatrix | budget | bpw | KLD allocator [95%] | KLD p99 [95%] | best standard <= size | alloc/standard "
                   "KLD | decode alloc/std | prefill alloc/std | gates held/free |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for tw in entry["twins"]:
-            for var in ("plain", "imatrix"):
+            for var in [v for v in ("plain", "imatrix") if v in tw]:
                 for r in tw[var]["budgets"]:
                     if "unreachable" in r:
                         lines.append(f"| {tw['twin']} | {'yes' if var == 'imatrix' else 'no'} | {r['budget_bpw']} | "
@@ -229,7 +229,7 @@ def write_tables(result: dict) -> None:
                   "bytes; the file adds its header; then mean KLD):", "",
                   "| twin | imatrix | " + " | ".join(STANDARD) + " |", "|---|---|" + "---|" * len(STANDARD)]
         for tw in entry["twins"]:
-            for var in ("plain", "imatrix"):
+            for var in [v for v in ("plain", "imatrix") if v in tw]:
                 cells = [f"{tw[var]['standard'][t]['bits_per_weight']:.2f}: {tw[var]['standard'][t]['kld_mean']:.4g}"
                          for t in STANDARD]
                 lines.append(f"| {tw['twin']} | {'yes' if var == 'imatrix' else 'no'} | " + " | ".join(cells) + " |")
@@ -246,6 +246,8 @@ def plot(result: dict) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
     for ax, (arch, tw) in zip(axes[0], panels):
         for var, color in (("plain", "tab:blue"), ("imatrix", "tab:orange")):
+            if var not in tw:
+                continue
             st = tw[var]["standard"]
             x = [st[t]["bits_per_weight"] for t in STANDARD]
             ax.errorbar(x, [st[t]["kld_mean"] for t in STANDARD], yerr=_err(st[t] for t in STANDARD), fmt="s",
@@ -283,6 +285,7 @@ def main() -> None:
     ap.add_argument("--arch", choices=sorted(RECIPES), default="attention")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--keep-run", default=None, help="train the twins into this folder once and reuse them")
+    ap.add_argument("--variants", default="plain,imatrix", help="plain, imatrix or both (comma-separated)")
     ap.add_argument("--tables-only", action="store_true", help="rewrite allocator.md and .png from the JSON")
     ap.add_argument("--restate-standard-bpw", action="store_true",
                     help="with --keep-run: count the standard types' bits per weight as llama.cpp does (see "
@@ -303,11 +306,14 @@ def main() -> None:
             run = Path(args.keep_run) if args.keep_run else work / "run"
             if not (run / "gated").is_dir():  # --keep-run: trained once, reused by a rerun
                 cli("train", *recipe, "--out", run)
-            twins = [run_twin(work, name, run / name, work / "cache") for name in ("baseline", "gated")]
+            cache = run.parent / f"{run.name}-cache" if args.keep_run else work / "cache"  # a rerun reuses it
+            twins = [run_twin(work, name, run / name, cache, tuple(args.variants.split(",")))
+                     for name in ("baseline", "gated")]
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent).stdout.strip()
         result["archs"][args.arch] = {
-            "command": f"python benchmarks/allocator.py --arch {args.arch} --steps {args.steps}", "commit": commit,
+            "command": f"python benchmarks/allocator.py --arch {args.arch} --steps {args.steps} --variants "
+                       f"{args.variants}", "commit": commit,
             "train": "quantgate train " + " ".join(map(str, recipe)),
             "eval": {**EVAL, "split": "test", "reference": "the float twin (PyTorch, fp32)"},
             "calibration": {**CALIB, "data": "embedded", "split": "valid"}, "speed": SPEED,
