@@ -92,13 +92,13 @@ def speed_pair(alloc: Path, std: Path) -> dict:
     return out
 
 
-def run_twin(work: Path, name: str, model: Path, cache: Path, variants: tuple = ("plain", "imatrix")) -> dict:
+def run_twin(work: Path, name: str, model: Path, cache: Path, which: tuple = ("plain", "imatrix")) -> dict:
     f32 = work / f"{name}-F32.gguf"
     cli("export", "gguf", model, "--out", f32, "--outtype", "f32")
     calib = ["--calib-windows", CALIB["windows"], "--ctx", CALIB["ctx"]]
     env = {"QUANTGATE_CACHE": str(cache)}
     variants = {}
-    for im in [v == "imatrix" for v in variants]:
+    for im in [v == "imatrix" for v in which]:
         imx = ["--imatrix", "auto"] if im else []
         std = {}
         for t in STANDARD:
