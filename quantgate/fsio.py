@@ -201,7 +201,7 @@ def _unproven(path: Path, table: dict, root: Path) -> str | None:
 def proven_ours(path: Path) -> str | None:
     """None when quantgate provably wrote everything at `path` (a file or folder inside one of its containers, or an
     artifact folder with its own recorded hashes); else what is not proven, as a reason."""
-    path = Path(path)
+    path = Path(os.path.abspath(path))  # containers are found as absolute paths: a relative --out must compare too
     if os.path.islink(path):
         return f"{path} is a symbolic link, which quantgate does not write"
     own = read_marker(path) if path.is_dir() and (path / MARKER).is_file() else None
