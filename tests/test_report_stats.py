@@ -167,3 +167,12 @@ def test_p99_interval_covers_the_pooled_percentile_and_narrows_with_more_windows
     assert quantile_interval(small[:4], 99) is None  # too few windows: no interval
     docs = np.repeat(np.arange(16), 2)  # resampled by document: still an interval
     assert quantile_interval(small, 99, docs) is not None
+
+
+def test_interval_units_read_as_plurals():
+    from quantgate.report.conclusion import _plural
+    from quantgate.stats import unit_name
+    assert _plural(unit_name(None, 40)) == "windows"
+    assert _plural(unit_name(list(range(40)), 40)) == "documents"
+    few = _plural(unit_name([0, 1] * 20, 40))
+    assert few.startswith("blocks of consecutive windows") and "windowss" not in few

@@ -239,7 +239,8 @@ def comparison_line(name: str, c: dict, a: dict, b: dict) -> str:
 
 
 def _plural(unit: str) -> str:
-    return " / ".join(u.replace("window", "windows", 1) if u.startswith("block") else u + "s" for u in unit.split(" / "))
+    """"window" -> "windows", "block of consecutive windows (...)" -> "blocks of consecutive windows (...)"."""
+    return " / ".join("blocks" + u[len("block"):] if u.startswith("block") else u + "s" for u in unit.split(" / "))
 
 
 def conclusion(rep: dict) -> list[str]:
