@@ -119,6 +119,12 @@ def test_quantize_target_bpw_writes_the_chosen_types_within_the_budget(f32_gguf,
             weight[t] = weight.get(t, 0) + size[n]
     base = max(weight, key=weight.get)
     assert h["gate_types"] and set(h["gate_types"].values()) == {base} and h["bits_per_weight"] <= 6.0
+    # a size target counts the whole file, the type map in its metadata included
+    target = out.stat().st_size - 1
+    sized = run_cli("quantize", f32_gguf, "--target-size", str(target), "--calib-windows", "2", "--ctx", "32",
+                    "--out", tmp_path / "sized.gguf", "--json", env={"QUANTGATE_CACHE": str(sens_cache)})
+    assert sized.returncode == 0, sized.stderr[-2000:]
+    assert (tmp_path / "sized.gguf").stat().st_size <= target
 
 
 @pytest.mark.parametrize("target, needle", [(["--target-bpw", "1.5"], "below the smallest file"),
