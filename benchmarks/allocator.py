@@ -180,6 +180,7 @@ def restate_standard_bpw(result: dict, arch: str, run: Path) -> None:
                         raise RuntimeError(f"{tw['twin']} {t} {var}: {p.stat().st_size} bytes now, "
                                            f"{cell['bytes']} then: not the same file")
                     cell.setdefault("file_bits_per_weight", cell["bits_per_weight"])
+                    cell["bits_per_weight_from"] = "--restate-standard-bpw (the same file quantized again)"
                     cell["bits_per_weight"] = tensor_bpw(p)
                     p.unlink()
             f32.unlink()
