@@ -381,18 +381,24 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
               help="with --target-bpw/--target-size: the gate tensors (attn_q, a hybrid's attn_gate, ssm_alpha, "
                    "ssm_beta, ssm_out) take the allocation's base type instead of what their measured KLD earns (the "
                    "A/B that shows whether protecting the gates pays)")
+@click.option("--decode-floor", default=None, metavar="SPEED",
+              help="with --target-bpw/--target-size: the file must decode at least this fast, predicted from each "
+                   "type's decode time measured here with --threads: tok/s (40), a llama.cpp type (Q4_K_M: as fast "
+                   "as that file of this model) or a fraction of one (0.95*Q4_K_M); low-bit types such as Q2_K and "
+                   "IQ4_XS decode slower on a CPU than their size suggests")
 @click.option("--out", default=None, type=click.Path(), help="output model directory (torch, ONNX) or .gguf file")
 @click.option("--calib-data", default="embedded", show_default=True,
               help="calibration text (the embedded corpus's valid split; never its test split)")
 @click.option("--calib-windows", type=COUNT, default=32, show_default=True)
 @click.option("--ctx", type=CTX, default=256, show_default=True)
 @click.option("--seed", type=SEED, default=0, show_default=True)
-@click.option("--threads", type=THREADS, default=None, help="llama.cpp quantizer threads")
+@click.option("--threads", type=THREADS, default=None,
+              help="llama.cpp quantizer threads (with --decode-floor: also the threads its decode is timed with)")
 @click.option("--layerwise", is_flag=True, default=None,
               help="torch: run the model one decoder block at a time and write the output as it goes (what a model "
                    "too large for memory gets anyway); the same file, one block's weights resident")
 def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, imatrix, gate_bits, target_bpw,
-             target_size, hold_gates, out, calib_data, calib_windows, ctx, seed, threads, layerwise):
+             target_size, hold_gates, decode_floor, out, calib_data, calib_windows, ctx, seed, threads, layerwise):
     """Quantize MODEL: a model directory under a named PyTorch scheme (writes a loadable checkpoint that
     records the scheme), a .gguf with llama.cpp's own quantizer (--type), or an ONNX export with
     onnxruntime.quantization (--scheme int8-dynamic|int8-static|int8-weight|int4). Every scheme is a row of
@@ -410,16 +416,20 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
     from quantgate.formats import artifact_kind
     if backend == "auto":
         backend = {"gguf": "llama.cpp", "onnx": "onnxruntime", "hf": "torch"}[artifact_kind(model)]
-    if hold_gates and target_bpw is None and target_size is None:
-        raise QuantgateError("--hold-gates applies to an allocation: add --target-bpw or --target-size")
+    for flag, given in (("--hold-gates", hold_gates), ("--decode-floor", decode_floor)):
+        if given and target_bpw is None and target_size is None:
+            raise QuantgateError(f"{flag} applies to an allocation: add --target-bpw or --target-size")
     if target_bpw is not None or target_size is not None:
         if backend != "llama.cpp" or qtype or scheme or gate_bits:
             raise QuantgateError("--target-bpw/--target-size choose llama.cpp types per tensor for a .gguf; they "
                                  "replace --type, --scheme and --gate-bits")
         from quantgate.quant.allocate import allocate_gguf, parse_size
+        from quantgate.quant.decode_cost import parse_floor
+        floor = parse_floor(decode_floor) if decode_floor else None
         summary = allocate_gguf(model, out, target_bpw, parse_size(target_size) if target_size else None, calib_data,
-                                calib_windows, ctx, seed, threads, hold_gates, imatrix == "auto")
-        _emit(summary if as_json else {k: v for k, v in summary.items() if k not in ("sensitivity",)}, as_json)
+                                calib_windows, ctx, seed, threads, hold_gates, imatrix == "auto", floor)
+        _emit(summary if as_json else {k: v for k, v in summary.items() if k not in ("sensitivity", "decode_cost")},
+              as_json)
         return
     bits = int(gate_bits) if gate_bits else None
     if backend == "onnxruntime":

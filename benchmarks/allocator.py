@@ -13,7 +13,11 @@ fresh folder removed afterwards, each twin, without and with an importance matri
    type at <= the allocator's file size (lowest KLD among those), and held / free gates (windows resampled
    together);
 4. prefill and decode tok/s of the allocated file and that standard type, timed in alternated rounds by the
-   runners' bench protocol (llama.cpp, F16 KV cache, one thread), with the median per-round ratio and its range.
+   runners' bench protocol (llama.cpp, F16 KV cache, one thread), with the median per-round ratio and its range;
+5. the decode floor's arm (`--floor`, on by default): `quantize --target-bpw B --decode-floor TYPE --threads 1`,
+   TYPE that best standard type (the file predicted at least as fast as it, from per-type decode timings taken by
+   the allocator), with its KLD and speed against the same standard file, and its predicted tok/s beside the
+   measured ones.
 
     python benchmarks/allocator.py --arch attention [--steps 300] [--keep-run DIR]
     python benchmarks/allocator.py --arch medium   # the larger pair: d=256, every row takes k-quants
@@ -92,7 +96,34 @@ def speed_pair(alloc: Path, std: Path) -> dict:
     return out
 
 
-def run_twin(work: Path, name: str, model: Path, cache: Path, which: tuple = ("plain", "imatrix")) -> dict:
+def floored_arm(f32: Path, p: Path, budget: float, best: str, std: dict, model: Path, cache: Path,
+                extra: list) -> dict:
+    """The allocation at the same budget with `--decode-floor best` (one thread, as the speed pair runs), scored and
+    timed against the same standard file; a floor the budget cannot meet is recorded as such."""
+    t0 = time.perf_counter()
+    try:
+        cli("quantize", f32, "--target-bpw", budget, *extra, "--decode-floor", best, "--threads", SPEED["threads"],
+            "--out", p, env={"QUANTGATE_CACHE": str(cache)})
+    except RuntimeError as e:
+        if "decode floor out of reach" not in str(e):
+            raise
+        return {"floor": best, "unreachable": str(e).partition("error: ")[2].strip()}
+    side = Path(str(p) + ".allocation.json")
+    info = json.loads(side.read_text())
+    ev = evaluate(p, model, cache)
+    out = {"floor": best, "seconds": round(time.perf_counter() - t0, 1), "bits_per_weight": info["bits_per_weight"],
+           "predicted_decode_tps": info["predicted_decode_tps"], "floor_tps": info["floor_tps"],
+           "decode_cost_measured_tps": {k: 1 / v for k, v in info["decode_cost"]["measured_s"].items()},
+           "types": info["types"], **{k: v for k, v in ev.items() if k != "per_window"},
+           "vs_best_standard": paired_ratio(ev["per_window"], std["per_window"]),
+           "speed_vs_best_standard": speed_pair(p, std["path"])}
+    p.unlink()
+    side.unlink()
+    return out
+
+
+def run_twin(work: Path, name: str, model: Path, cache: Path, which: tuple = ("plain", "imatrix"),
+             floor: bool = True) -> dict:
     f32 = work / f"{name}-F32.gguf"
     cli("export", "gguf", model, "--out", f32, "--outtype", "f32")
     calib = ["--calib-windows", CALIB["windows"], "--ctx", CALIB["ctx"]]
@@ -135,13 +166,20 @@ def run_twin(work: Path, name: str, model: Path, cache: Path, which: tuple = ("p
             if best:
                 row["allocator_vs_best_standard"] = paired_ratio(a["per_window"], std[best]["per_window"])
                 row["speed_vs_best_standard"] = speed_pair(a["path"], std[best]["path"])
+                if floor:
+                    row["floored"] = floored_arm(f32, work / f"{name}-auto{b}-floor.gguf", b, best, std[best],
+                                                 model, cache, calib + imx)
             rows.append(row)
             for d in arms.values():
                 d["path"].unlink()
                 Path(str(d["path"]) + ".allocation.json").unlink(missing_ok=True)
+            fl = row.get("floored", {})
             print(json.dumps({"twin": name, "imatrix": im, "budget": b, "best_standard": best,
                               **({"ratio": row["allocator_vs_best_standard"],
                                   "decode": row["speed_vs_best_standard"]["decode"]["ratio_median"]} if best else {}),
+                              **({"floored_ratio": fl["vs_best_standard"]["ratio"],
+                                  "floored_decode": fl["speed_vs_best_standard"]["decode"]["ratio_median"]}
+                                 if "vs_best_standard" in fl else {}),
                               "held_vs_free": row["held_vs_free_gates"]}), flush=True)
         for d in std.values():
             d["path"].unlink()
@@ -226,6 +264,29 @@ def write_tables(result: dict) -> None:
                                  f"{r['bits_per_weight']:.3f} | {a['kld_mean']:.4g} [{ci[0]:.4g}, {ci[1]:.4g}] | "
                                  f"{a['kld_p99']:.4g} [{p99[0]:.4g}, {p99[1]:.4g}] | "
                                  f"{cmp} | {h['ratio']:.3f} [{h['ci95'][0]:.3f}, {h['ci95'][1]:.3f}] |")
+        floored = [(tw, var, r) for tw in entry["twins"] for var in ("plain", "imatrix") if var in tw
+                   for r in tw[var]["budgets"] if "floored" in r]
+        if floored:
+            lines += ["", "With a decode floor (`--decode-floor TYPE --threads 1`, TYPE the best standard type at <= "
+                      "the free allocation's size): the allocation predicted at least as fast as TYPE from per-type "
+                      "decode timings, against the same standard file. Predicted tok/s is the allocator's model; "
+                      "the measured ratio is the speed pair's (median per-round ratio [min, max]).", "",
+                      "| twin | imatrix | budget | floor | bpw | KLD [95%] | alloc/standard KLD | decode alloc/std | "
+                      "prefill alloc/std | predicted / floor tok/s | free arm's KLD ratio |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|"]
+            for tw, var, r in floored:
+                f = r["floored"]
+                head = f"| {tw['twin']} | {'yes' if var == 'imatrix' else 'no'} | {r['budget_bpw']} | {f['floor']} |"
+                if "unreachable" in f:
+                    lines.append(f"{head} unreachable: {f['unreachable']} |" + " |" * 6)
+                    continue
+                c, sp, ci = f["vs_best_standard"], f["speed_vs_best_standard"], f["kld_mean_ci95"]
+                free = r["allocator_vs_best_standard"]
+                lines.append(f"{head} {f['bits_per_weight']:.3f} | {f['kld_mean']:.4g} [{ci[0]:.4g}, {ci[1]:.4g}] | "
+                             f"{c['ratio']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}] | "
+                             f"{sp['decode']['ratio_median']:.3f} [{sp['decode']['ratio_range'][0]:.2f}, "
+                             f"{sp['decode']['ratio_range'][1]:.2f}] | {sp['prefill']['ratio_median']:.3f} | "
+                             f"{f['predicted_decode_tps']:.0f} / {f['floor_tps']:.0f} | {free['ratio']:.3f} |")
         lines += ["", "llama.cpp's standard types on the same twins (bits per weight as llama.cpp counts them: tensor "
                   "bytes; the file adds its header; then mean KLD):", "",
                   "| twin | imatrix | " + " | ".join(STANDARD) + " |", "|---|---|" + "---|" * len(STANDARD)]
@@ -287,6 +348,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--keep-run", default=None, help="train the twins into this folder once and reuse them")
     ap.add_argument("--variants", default="plain,imatrix", help="plain, imatrix or both (comma-separated)")
+    ap.add_argument("--no-floor", action="store_true", help="skip the decode floor's arm")
     ap.add_argument("--tables-only", action="store_true", help="rewrite allocator.md and .png from the JSON")
     ap.add_argument("--restate-standard-bpw", action="store_true",
                     help="with --keep-run: count the standard types' bits per weight as llama.cpp does (see "
@@ -308,13 +370,13 @@ def main() -> None:
             if not (run / "gated").is_dir():  # --keep-run: trained once, reused by a rerun
                 cli("train", *recipe, "--out", run)
             cache = run.parent / f"{run.name}-cache" if args.keep_run else work / "cache"  # a rerun reuses it
-            twins = [run_twin(work, name, run / name, cache, tuple(args.variants.split(",")))
+            twins = [run_twin(work, name, run / name, cache, tuple(args.variants.split(",")), not args.no_floor)
                      for name in ("baseline", "gated")]
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent).stdout.strip()
         result["archs"][args.arch] = {
             "command": f"python benchmarks/allocator.py --arch {args.arch} --steps {args.steps} --variants "
-                       f"{args.variants}", "commit": commit,
+                       f"{args.variants}{' --no-floor' if args.no_floor else ''}", "commit": commit,
             "train": "quantgate train " + " ".join(map(str, recipe)),
             "eval": {**EVAL, "split": "test", "reference": "the float twin (PyTorch, fp32)"},
             "calibration": {**CALIB, "data": "embedded", "split": "valid"}, "speed": SPEED,

@@ -42,6 +42,58 @@ def test_allocation_meets_the_budget_and_beats_every_uniform_type_that_fits(seed
         assert plan.predicted_kld <= best * 1.02 + 1e-9  # the dynamic program: the exact optimum, to its rounding
 
 
+def _cost(units, rng):
+    """A speed model in which the types decode at their own pace, none in order of its bits (as on a CPU, where
+    Q5_0 dequantizes slower than Q8_0)."""
+    from quantgate.quant.decode_cost import DecodeCost
+    per = {"IQ4_NL": 3e-9, "Q4_0": -1e-9, "Q5_0": 4e-9, "Q8_0": 0.0}
+    return DecodeCost(1e-3, {t: v * rng.uniform(0.5, 1.5) for t, v in per.items()}, {}, 1, {})
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_decode_floor_is_met_and_costs_no_more_kld_than_it_must(seed):
+    """Under a floor the allocation is predicted at least that fast, meets the byte budget, is no worse than any
+    uniform type that meets both, and is the unconstrained answer where that is already fast enough; a floor no
+    allocation can reach is one line."""
+    rng = np.random.default_rng(seed)
+    units = [Unit(f"blk.{i}.ffn_up.weight", int(rng.integers(1, 9)) * 4096, 64) for i in range(6)]
+    sens, cost = _sens(units, rng), _cost(units, rng)
+    budget = int(np.mean([sum(u.bytes("Q5_0") for u in units), sum(u.bytes("Q8_0") for u in units)]))
+    free = allocate(units, sens, budget)
+    t_free = cost.predict(units, free.types)
+    assert allocate(units, sens, budget, None, cost, t_free * 1.01).types == free.types
+    combos = [dict(zip([u.name for u in units], c)) for c in
+              itertools.product(units[0].candidates(), repeat=len(units))]
+    fits = [c for c in combos if sum(u.bytes(c[u.name]) for u in units) <= budget]
+    fastest = min(cost.predict(units, c) for c in fits)
+    moved = 0
+    for limit in np.linspace(fastest, t_free, 5)[:-1]:
+        plan = allocate(units, sens, budget, None, cost, float(limit))
+        moved += plan.types != free.types
+        assert plan.unit_bytes <= budget and plan.predicted_decode_s <= limit * (1 + 1e-9)
+        assert plan.predicted_decode_s == pytest.approx(cost.predict(units, plan.types))
+        assert plan.predicted_kld >= free.predicted_kld - 1e-12  # speed is bought with KLD, never the reverse
+        for t in units[0].candidates():
+            uni = {u.name: t for u in units}
+            if sum(u.bytes(t) for u in units) <= budget and cost.predict(units, uni) <= limit:
+                assert plan.predicted_kld <= sens.base_kld + sum(sens.delta[u.name][t] for u in units) + 1e-12
+    assert moved or fastest == pytest.approx(t_free)  # the floor changed the answer where it bound
+    with pytest.raises(QuantgateError, match="decode floor out of reach"):
+        allocate(units, sens, budget, None, cost, fastest * 0.9)
+
+
+def test_decode_floors_parse_and_bad_ones_are_one_line():
+    from quantgate.quant.decode_cost import parse_floor
+    assert parse_floor("40").tps == 40.0 and str(parse_floor("40")) == "40 tok/s"
+    f = parse_floor("0.95*q4_k_m")
+    assert (f.reference, f.fraction, str(f)) == ("Q4_K_M", 0.95, "0.95*Q4_K_M")
+    assert parse_floor("Q8_0").reference == "Q8_0" and parse_floor("Q8_0").fraction == 1.0
+    for bad, needle in (("0", "above 0"), ("fast", "give tok/s"), ("5*Q4_K_M", "between 0.1 and 2"),
+                        ("0.9*Q9_K", "give tok/s"), ("", "give tok/s")):
+        with pytest.raises(QuantgateError, match=needle):
+            parse_floor(bad)
+
+
 def test_a_budget_below_the_smallest_types_is_refused():
     units = [Unit("a.weight", 4096, 64)]
     with pytest.raises(QuantgateError, match="smallest types take"):
@@ -125,13 +177,35 @@ def test_quantize_target_bpw_writes_the_chosen_types_within_the_budget(f32_gguf,
                     "--out", tmp_path / "sized.gguf", "--json", env={"QUANTGATE_CACHE": str(sens_cache)})
     assert sized.returncode == 0, sized.stderr[-2000:]
     assert (tmp_path / "sized.gguf").stat().st_size <= target
+    # a decode floor: each type's decode timed here, the allocation predicted at least that fast, said in the file
+    fl = run_cli("quantize", f32_gguf, "--target-bpw", "6", "--calib-windows", "2", "--ctx", "32", "--decode-floor",
+                 "0.9*Q8_0", "--threads", "1", "--out", tmp_path / "floor.gguf", "--json",
+                 env={"QUANTGATE_CACHE": str(sens_cache)})
+    assert fl.returncode == 0, fl.stderr[-2000:]
+    f = json.loads(fl.stdout)
+    cost = f["decode_cost"]
+    assert f["predicted_decode_tps"] >= f["floor_tps"] * (1 - 1e-9) and f["bits_per_weight"] <= 6.0
+    assert f["floor_tps"] == pytest.approx(0.9 / cost["reference_s"]["Q8_0"])
+    assert set(cost["measured_s"]) >= {"Q8_0", "reference"} and all(v > 0 for v in cost["measured_s"].values())
+    fields = GGUFReader(tmp_path / "floor.gguf").fields
+    assert fields["quantgate.allocation.decode_floor"].contents().startswith("0.9*Q8_0 (")
+    assert fields["quantgate.allocation.predicted_decode_tps"].contents() == pytest.approx(f["predicted_decode_tps"])
+    assert not list(tmp_path.glob(".quantgate-*"))  # the timed files are gone
+    far = run_cli("quantize", f32_gguf, "--target-bpw", "6", "--calib-windows", "2", "--ctx", "32", "--decode-floor",
+                  "1000000000", "--threads", "1", "--out", tmp_path / "far.gguf",
+                  env={"QUANTGATE_CACHE": str(sens_cache)})
+    assert far.returncode == 2 and "decode floor out of reach" in far.stderr, far.stderr[-2000:]
+    assert not (tmp_path / "far.gguf").exists() and not list(tmp_path.glob(".quantgate-*"))
 
 
 @pytest.mark.parametrize("target, needle", [(["--target-bpw", "1.5"], "below the smallest file"),
                                             (["--target-bpw", "32"], "not below the float file"),
                                             (["--target-size", "1KB"], "below the smallest file"),
                                             (["--target-bpw", "4", "--type", "Q4_K_M"], "replace --type"),
-                                            (["--hold-gates"], "--hold-gates applies to an allocation")])
+                                            (["--hold-gates"], "--hold-gates applies to an allocation"),
+                                            (["--decode-floor", "Q4_K_M"], "--decode-floor applies to an allocation"),
+                                            (["--target-bpw", "6", "--decode-floor", "0.9*Q9"], "give tok/s"),
+                                            (["--target-bpw", "6", "--decode-floor", "1e9"], "give tok/s")])
 def test_a_budget_the_model_cannot_meet_is_one_line_and_writes_nothing(f32_gguf, tmp_path, target, needle):
     r = run_cli("quantize", f32_gguf, *target, "--out", tmp_path / "x.gguf",
                 env={"QUANTGATE_CACHE": str(tmp_path / "cache")})

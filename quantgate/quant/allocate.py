@@ -47,6 +47,7 @@ from ..metrics import window_scores
 from ..progress import track
 from ..reference import cache_dir
 from ..runners.open import fixed_ctx, open_runner
+from .decode_cost import DecodeCost, DecodeFloor, measure_decode_cost
 from .llama_cpp import importance_matrix, run_quantizer
 from .schemes import ggml_type
 
@@ -95,7 +96,7 @@ def units_of(path: str | Path) -> list[Unit]:
     return out
 
 
-def _overrides(assign: dict[str, str]) -> list:
+def overrides(assign: dict[str, str]) -> list:
     """One exact-name override per unit (llama.cpp searches each pattern in the tensor's name)."""
     return [[f"^{re.escape(n)}$", ggml_type(t)] for n, t in assign.items()]
 
@@ -140,7 +141,7 @@ def measure_sensitivity(src: str | Path, units: list[Unit], calib_data: str = "e
         os.close(fd)
         tmp = Path(name)
         try:
-            written = run_quantizer(src, tmp, BASE, _overrides(assign), im, threads=threads)
+            written = run_quantizer(src, tmp, BASE, overrides(assign), im, threads=threads)
             lg = _logits(tmp, windows, threads)
         finally:
             tmp.unlink(missing_ok=True)
@@ -177,22 +178,67 @@ def _logits(path: Path, windows: np.ndarray, threads: int | None) -> np.ndarray:
 
 @dataclass
 class Allocation:
-    """The chosen type per unit, its tensor bytes and predicted KLD, and the budget it met."""
+    """The chosen type per unit, its tensor bytes and predicted KLD, the budget it met, and (with a decode floor)
+    its predicted decode seconds per token."""
     types: dict[str, str]
     unit_bytes: int
     predicted_kld: float
     budget_bytes: int
+    predicted_decode_s: float | None = None
 
 
 BUCKETS = 4000  # the budget's resolution in the allocation's dynamic program
 
 
-def allocate(units: list[Unit], sens: Sensitivity, budget_bytes: int, fixed: dict[str, str] | None = None) -> Allocation:
+def allocate(units: list[Unit], sens: Sensitivity, budget_bytes: int, fixed: dict[str, str] | None = None,
+             cost: DecodeCost | None = None, limit_s: float | None = None) -> Allocation:
     """Types that minimise the predicted KLD with the units' bytes under `budget_bytes`; `fixed` units keep the type
-    given (the gate A/B's held arm). A multiple-choice knapsack, solved by dynamic programming over the budget in
-    BUCKETS steps (each unit's bytes rounded to the nearest step; the answer is checked in bytes, and a smaller
-    capacity taken until it fits), then the bytes left are spent on the best upgrades that fit. Raises when even
-    the cheapest types do not fit."""
+    given (the gate A/B's held arm). With a decode cost and `limit_s` (the most decode seconds per token the floor
+    allows), the predicted decode time must stay under it too: a Lagrangian relaxation (minimise KLD + lam * decode
+    seconds, lam searched by bisection until the time fits), since a second capacity would square the dynamic
+    program. Raises when even the cheapest types do not fit, or no allocation is predicted fast enough."""
+    score = {u.name: dict(sens.delta[u.name]) for u in units}
+    plan = _cheapest_kld(units, sens, score, budget_bytes, fixed)
+    if cost is None or limit_s is None:
+        return plan
+    plan.predicted_decode_s = cost.predict(units, plan.types)
+    if plan.predicted_decode_s <= limit_s:
+        return plan
+
+    def at(lam: float) -> Allocation:
+        sc = {u.name: {t: d + lam * u.n_elements * cost.extra.get(t, 0.0) for t, d in sens.delta[u.name].items()}
+              for u in units}
+        a = _cheapest_kld(units, sens, sc, budget_bytes, fixed)
+        a.predicted_decode_s = cost.predict(units, a.types)
+        return a
+
+    lo, hi = 0.0, max(sens.base_kld, 1e-9) / max(limit_s, 1e-12)  # a first lam: KLD and seconds on one scale
+    fast = at(hi)
+    for _ in range(60):
+        if fast.predicted_decode_s <= limit_s:
+            break
+        lo, hi = hi, hi * 4
+        fast = at(hi)
+    else:
+        raise QuantgateError(f"decode floor out of reach under this budget: the fastest allocation is predicted at "
+                             f"{1 / fast.predicted_decode_s:.4g} tok/s, the floor asks {1 / limit_s:.4g} tok/s; "
+                             f"lower the floor or raise the budget; nothing was written")
+    for _ in range(40):  # bisection: the least lam whose allocation fits the time (less lam, less KLD)
+        mid = (lo + hi) / 2
+        a = at(mid)
+        if a.predicted_decode_s <= limit_s:
+            hi, fast = mid, a
+        else:
+            lo = mid
+    return fast
+
+
+def _cheapest_kld(units: list[Unit], sens: Sensitivity, score: dict[str, dict[str, float]], budget_bytes: int,
+                  fixed: dict[str, str] | None) -> Allocation:
+    """The assignment that minimises the summed `score` (the KLD deltas, or those plus a decode-time price) under the
+    byte budget. A multiple-choice knapsack, solved by dynamic programming over the budget in BUCKETS steps (each
+    unit's bytes rounded to the nearest step; the answer is checked in bytes, and a smaller capacity taken until it
+    fits), then the bytes left are spent on the best upgrades that fit."""
     fixed = fixed or {}
     free = [u for u in units if u.name not in fixed]
     held_bytes = sum(u.bytes(fixed[u.name]) for u in units if u.name in fixed)
@@ -204,10 +250,10 @@ def allocate(units: list[Unit], sens: Sensitivity, budget_bytes: int, fixed: dic
     step = max(1, -(-left // BUCKETS))
     n = left // step + len(free)  # room for the rounding; the capacity search below keeps what truly fits
     inf = np.inf
-    best = np.zeros(n + 1)  # least predicted delta using at most b steps
+    best = np.zeros(n + 1)  # least summed score using at most b steps
     picks = []
     for u in free:
-        opts = [(t, round(u.bytes(t) / step), sens.delta[u.name][t]) for t in u.candidates() if t in sens.delta[u.name]]
+        opts = [(t, round(u.bytes(t) / step), score[u.name][t]) for t in u.candidates() if t in score[u.name]]
         new, pick = np.full(n + 1, inf), np.full(n + 1, -1, dtype=np.int16)
         for j, (_t, w, d) in enumerate(opts):
             if w > n:
@@ -232,19 +278,21 @@ def allocate(units: list[Unit], sens: Sensitivity, budget_bytes: int, fixed: dic
         types = {}
     if not types or sum(u.bytes(types[u.name]) for u in units) > budget_bytes:
         types = {**{u.name: min(u.candidates(), key=u.bytes) for u in free}, **fixed}
-    return _plan(_fill(types, free, sens, budget_bytes - sum(u.bytes(types[u.name]) for u in units)), units, sens,
+    return _plan(_fill(types, free, score, budget_bytes - sum(u.bytes(types[u.name]) for u in units)), units, sens,
                  budget_bytes)
 
 
-def _fill(types: dict[str, str], free: list[Unit], sens: Sensitivity, room: int) -> dict[str, str]:
-    """Spend the bytes the rounding left: the upgrade that saves the most KLD and fits, until none does."""
+def _fill(types: dict[str, str], free: list[Unit], score: dict[str, dict[str, float]], room: int) -> dict[str, str]:
+    """Spend the bytes the rounding left: the upgrade that lowers the score most and fits, until none does."""
     types = dict(types)
     while True:
         best = None
         for u in free:
             now = types[u.name]
             for t in u.candidates():
-                extra, gain = u.bytes(t) - u.bytes(now), sens.delta[u.name][now] - sens.delta[u.name][t]
+                if t not in score[u.name]:
+                    continue
+                extra, gain = u.bytes(t) - u.bytes(now), score[u.name][now] - score[u.name][t]
                 if 0 <= extra <= room and gain > 0 and (best is None or gain > best[0]):
                     best = (gain, u, t, extra)
         if best is None:
@@ -317,11 +365,14 @@ def budget_from(units: list[Unit], total_elements: int, other_bytes: int, header
 
 def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = None, target_bytes: int | None = None,
                   calib_data: str = "embedded", calib_windows: int = 8, ctx: int = 128, seed: int = 0,
-                  threads: int | None = None, hold_gates: bool = False, imatrix: bool = False) -> dict:
+                  threads: int | None = None, hold_gates: bool = False, imatrix: bool = False,
+                  decode_floor: DecodeFloor | None = None) -> dict:
     """Write `out` from the F32/F16/BF16 GGUF `src` with per-tensor types chosen under the target (bits per weight
     over all tensors, or file bytes); `hold_gates` keeps the gate units at the allocation's base type (the A/B's
     held arm: the same budget, the gates given no more bits than most of the model); `imatrix`: every
-    quantization, the measured ones and the written file, takes an importance matrix from the calibration windows.
+    quantization, the measured ones and the written file, takes an importance matrix from the calibration windows;
+    `decode_floor`: the file's decode speed, predicted from per-type timings taken here with `threads`
+    (quant.decode_cost), must not fall below it.
     The chosen types land in the file's metadata (quantgate.allocation.*) and, with the measured sensitivity, in
     `out`.allocation.json. Returns that summary."""
     if (target_bpw is None) == (target_bytes is None):
@@ -346,20 +397,28 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
     im = _importance(src, calib_data, calib_windows, ctx, seed) if imatrix else None
     sens = measure_sensitivity(src, units, calib_data, calib_windows, ctx, seed, threads, out.parent, im)
     units = [u for u in units if u.name in sens.delta]  # llama.cpp quantizes these
-    plan = allocate(units, sens, budget)
+    cost = limit = None
+    if decode_floor is not None:
+        kinds = tuple(sorted({t for u in units for t in u.candidates()}))
+        cost = measure_decode_cost(src, units, BASE, kinds, decode_floor.reference, threads, out.parent, im)
+        limit = cost.limit_s(decode_floor)
+    plan = allocate(units, sens, budget, None, cost, limit)
     if hold_gates:
-        plan = allocate(units, sens, budget, held_gates(units, plan))
+        plan = allocate(units, sens, budget, held_gates(units, plan), cost, limit)
     target = f"{target_bpw:g} bpw" if target_bpw is not None else f"{target_bytes} bytes"
     meta = {f"{META}.target": target, f"{META}.predicted_kld": float(plan.predicted_kld),
             f"{META}.hold_gates": hold_gates, f"{META}.imatrix": imatrix,
             f"{META}.calibration": f"{calib_data}: {sens.windows} windows of {sens.ctx} tokens",
             f"{META}.tensor_types": [f"{n}={t}" for n, t in plan.types.items()]}
+    if cost is not None:
+        meta[f"{META}.decode_floor"] = f"{decode_floor} ({1 / limit:.4g} tok/s here)"
+        meta[f"{META}.predicted_decode_tps"] = float(1 / plan.predicted_decode_s)
     with atomic_path(out, "gguf") as tmp:
         fd, name = tempfile.mkstemp(prefix=".quantgate-alloc-", suffix=GGUF_SUFFIX, dir=tmp.parent)
         os.close(fd)
         raw = Path(name)  # llama.cpp's file, before the type map joins its metadata
         try:
-            written = run_quantizer(src, raw, BASE, _overrides(plan.types), im, threads=threads, shown=out)
+            written = run_quantizer(src, raw, BASE, overrides(plan.types), im, threads=threads, shown=out)
             mismatch = {n: (t, written.tensor_types.get(n)) for n, t in plan.types.items()
                         if written.tensor_types.get(n) != t}
             if mismatch:
@@ -373,6 +432,9 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
                "predicted_kld": plan.predicted_kld, "hold_gates": hold_gates, "imatrix": imatrix,
                "types": plan.types, "gate_types": {n: t for n, t in plan.types.items() if n.endswith(GATE_UNITS)},
                "sensitivity": sens.to_dict()}
+    if cost is not None:
+        summary.update(decode_floor=str(decode_floor), floor_tps=1 / limit,
+                       predicted_decode_tps=1 / plan.predicted_decode_s, decode_cost=cost.to_dict())
     write_json(side, summary, kind="allocation")
     return summary
 

@@ -1,0 +1,170 @@
+"""What each llama.cpp type costs in decode time, measured here, for the allocator's decode floor (issue 36).
+
+On a CPU, a type's decode cost is not its bytes: a Q2_K or IQ4_XS row takes more work to dequantize than a Q8_0
+row, so a file that spends fewer bits on most tensors can decode slower than a bigger one (measured: allocated
+files 0.62-0.94x the tok/s of llama.cpp's standard type at the same size, benchmarks/results/allocator.md). The
+allocator therefore needs a speed model, and only a measured one is worth anything:
+
+1. one file per candidate type, every unit that takes the type at it and the others at the base type, plus the
+   base file (every unit at the base type), each written by llama.cpp's quantizer;
+2. decode seconds per token of every file, timed by the runners' bench protocol (alternated rounds, medians) with
+   the threads and KV cache the user will run;
+3. per unit element, the extra seconds a type costs over the base type: (t_type - t_base) / elements at the type.
+   The predicted decode time of an assignment is t_base plus its units' extra seconds (linear in the elements;
+   exact for the files it was measured on, checked against the written files by benchmarks/allocator.py).
+
+A decode floor is given in tok/s (`40`), or as llama.cpp's own type (`Q4_K_M`: as fast as that file, measured in
+the same rounds), or a fraction of it (`0.95*Q4_K_M`).
+
+Written by hand: no library models llama.cpp's per-type decode cost.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import QuantgateError
+from ..formats.kind import GGUF_SUFFIX
+from ..fsio import write_json
+from ..identity import code_id, content_id, key
+from ..progress import stage
+from ..reference import cache_dir
+from ..runners.bench import bench
+from ..runners.open import fixed_ctx, open_runner
+from .llama_cpp import run_quantizer
+from .schemes import GGUF_FILE_TYPES
+
+SPEED = dict(prefill=16, decode=256, rounds=9, kv="f16")  # short rounds: the per-type files are small to decode
+
+
+@dataclass(frozen=True)
+class DecodeFloor:
+    """At least `tps` tokens per second (`reference` None), or `fraction` of what llama.cpp's `reference` type
+    decodes at on the same model, measured in the same rounds."""
+    tps: float | None = None
+    reference: str | None = None
+    fraction: float = 1.0
+
+    def __str__(self) -> str:
+        if self.reference is None:
+            return f"{self.tps:g} tok/s"
+        return f"{self.fraction:g}*{self.reference}" if self.fraction != 1.0 else self.reference
+
+
+def parse_floor(text: str) -> DecodeFloor:
+    """`40` (tok/s), `Q4_K_M`, or `0.95*Q4_K_M`; anything else is one line naming the forms."""
+    t = (text or "").strip()
+    if re.fullmatch(r"[0-9]*\.?[0-9]+", t):
+        if float(t) <= 0:
+            raise QuantgateError(f"--decode-floor {text!r}: a speed above 0 tok/s")
+        return DecodeFloor(tps=float(t))
+    m = re.fullmatch(r"(?:([0-9]*\.?[0-9]+)\s*\*\s*)?([A-Za-z0-9_]+)", t)
+    if m and m.group(2).upper() in GGUF_FILE_TYPES:
+        frac = float(m.group(1)) if m.group(1) else 1.0
+        if not 0.1 <= frac <= 2.0:
+            raise QuantgateError(f"--decode-floor {text!r}: the fraction of {m.group(2).upper()}'s speed must be "
+                                 f"between 0.1 and 2")
+        return DecodeFloor(reference=m.group(2).upper(), fraction=frac)
+    raise QuantgateError(f"--decode-floor {text!r}: give tok/s (40), a llama.cpp type (Q4_K_M) or a fraction of "
+                         f"one (0.95*Q4_K_M)")
+
+
+@dataclass
+class DecodeCost:
+    """Measured decode seconds per token: `base_s` with every unit at the base type, `extra[type]` the seconds one
+    unit element at that type adds (negative where the type decodes faster than the base), and the reference
+    type's seconds where a floor names one."""
+    base_s: float
+    extra: dict[str, float]
+    reference_s: dict[str, float]
+    threads: int | None
+    measured: dict[str, float]
+
+    def predict(self, units, types: dict[str, str]) -> float:
+        """Predicted decode seconds per token of the assignment `types` (unit name -> type)."""
+        return self.base_s + sum(u.n_elements * self.extra.get(types[u.name], 0.0) for u in units)
+
+    def limit_s(self, floor: DecodeFloor) -> float:
+        """The most seconds per token the floor allows."""
+        if floor.reference is None:
+            return 1.0 / floor.tps
+        return self.reference_s[floor.reference] / floor.fraction
+
+    def to_dict(self) -> dict:
+        return {"base_s": self.base_s, "extra_s_per_element": self.extra, "reference_s": self.reference_s,
+                "threads": self.threads, "measured_s": self.measured, "protocol": SPEED}
+
+
+def measure_decode_cost(src: Path, units, base: str, types: tuple[str, ...], reference: str | None,
+                        threads: int | None, work: Path, im: dict | None = None) -> DecodeCost:
+    """Decode seconds per token of the base file, one file per type in `types` and llama.cpp's `reference` type
+    (see the module docstring), cached by the source's content, the types, the threads and this machine (a timing
+    holds for the machine it was taken on)."""
+    k = key("decode-cost", content_id(src), code_id(), base, sorted(types), reference, threads, SPEED,
+            [(u.name, u.candidates()) for u in units], platform.node(), os.cpu_count(), im is not None)
+    cached = cache_dir() / f"decode-{k}.json"
+    if cached.is_file():
+        d = json.loads(cached.read_text())
+        return DecodeCost(d["base_s"], d["extra_s_per_element"], d["reference_s"], d["threads"], d["measured_s"])
+    from .allocate import overrides  # the allocator's exact-name overrides (allocate imports this module)
+    files: dict[str, tuple[Path, dict[str, str]]] = {}
+    paths: list[Path] = []
+    try:
+        plans = {base: {u.name: base for u in units}}
+        for t in types:
+            if t != base:
+                plans[t] = {u.name: (t if t in u.candidates() else base) for u in units}
+        for label, assign in plans.items():
+            p = _tmp(work, paths)
+            written = run_quantizer(src, p, base, overrides(assign), im, threads=threads)
+            files[label] = (p, {n: written.tensor_types.get(n) for n in assign})
+        if reference is not None:
+            p = _tmp(work, paths)
+            run_quantizer(src, p, reference, [], im, threads=threads)
+            files["reference"] = (p, {})
+        seconds = _decode_seconds({k: v[0] for k, v in files.items()}, threads)
+    finally:
+        for p in paths:
+            p.unlink(missing_ok=True)
+    extra = {base: 0.0}
+    for t in plans:
+        if t == base:
+            continue
+        n = sum(u.n_elements for u in units if files[t][1].get(u.name) == t)
+        if n:
+            extra[t] = (seconds[t] - seconds[base]) / n
+    cost = DecodeCost(seconds[base], extra, {reference: seconds["reference"]} if reference else {}, threads,
+                      seconds)
+    write_json(cached, cost.to_dict())
+    return cost
+
+
+def _tmp(work: Path, paths: list[Path]) -> Path:
+    fd, name = tempfile.mkstemp(prefix=".quantgate-speed-", suffix=GGUF_SUFFIX, dir=work)  # a name no one else has
+    os.close(fd)
+    paths.append(Path(name))
+    return paths[-1]
+
+
+def _decode_seconds(files: dict[str, Path], threads: int | None) -> dict[str, float]:
+    """Median decode seconds per token of each file, rounds alternated between all of them."""
+    ids = list(np.random.default_rng(0).integers(3, 200, size=SPEED["prefill"] + SPEED["decode"]))
+    n = SPEED["prefill"] + SPEED["decode"]
+    opened = {k: open_runner(str(p), fixed_ctx(n, p), kv_type=SPEED["kv"], threads=threads, logits_all=False)
+              for k, p in files.items()}
+    runners = [o.runner.__enter__() for o in opened.values()]
+    try:
+        with stage(f"decode speed: {len(files)} files, {SPEED['rounds']} alternated rounds"):
+            res = bench(runners, ids[:SPEED["prefill"]], ids[SPEED["prefill"]:], rounds=SPEED["rounds"], warmup=1)
+    finally:
+        for o in opened.values():
+            o.runner.__exit__(None, None, None)
+    return {k: r["decode_s"] / SPEED["decode"] for k, r in zip(opened, res)}
+
