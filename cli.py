@@ -384,7 +384,7 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
 @click.option("--decode-floor", default=None, metavar="SPEED",
               help="with --target-bpw/--target-size: the file must decode at least this fast, predicted from each "
                    "type's decode time measured here with --threads: tok/s (40), a llama.cpp type (Q4_K_M: as fast "
-                   "as that file of this model) or a fraction of one (0.95*Q4_K_M); low-bit types such as Q2_K and "
+                   "as that file of this model) or a fraction of one (0.95xQ4_K_M); low-bit types such as Q2_K and "
                    "IQ4_XS decode slower on a CPU than their size suggests")
 @click.option("--out", default=None, type=click.Path(), help="output model directory (torch, ONNX) or .gguf file")
 @click.option("--calib-data", default="embedded", show_default=True,
@@ -423,8 +423,8 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
         if backend != "llama.cpp" or qtype or scheme or gate_bits:
             raise QuantgateError("--target-bpw/--target-size choose llama.cpp types per tensor for a .gguf; they "
                                  "replace --type, --scheme and --gate-bits")
-        from quantgate.quant.allocate import allocate_gguf, parse_size
-        from quantgate.quant.decode_cost import parse_floor
+        from quantgate.quant.allocate import allocate_gguf
+        from quantgate.quant.targets import parse_floor, parse_size
         floor = parse_floor(decode_floor) if decode_floor else None
         summary = allocate_gguf(model, out, target_bpw, parse_size(target_size) if target_size else None, calib_data,
                                 calib_windows, ctx, seed, threads, hold_gates, imatrix == "auto", floor)

@@ -10,7 +10,8 @@ import pytest
 
 from conftest import run_cli
 from quantgate.errors import QuantgateError
-from quantgate.quant.allocate import Sensitivity, Unit, allocate, held_gates, parse_size
+from quantgate.quant.allocate import Sensitivity, Unit, allocate, held_gates
+from quantgate.quant.targets import parse_floor, parse_size
 
 
 def _sens(units, rng):
@@ -83,10 +84,9 @@ def test_a_decode_floor_is_met_and_costs_no_more_kld_than_it_must(seed):
 
 
 def test_decode_floors_parse_and_bad_ones_are_one_line():
-    from quantgate.quant.decode_cost import parse_floor
     assert parse_floor("40").tps == 40.0 and str(parse_floor("40")) == "40 tok/s"
     f = parse_floor("0.95*q4_k_m")
-    assert (f.reference, f.fraction, str(f)) == ("Q4_K_M", 0.95, "0.95*Q4_K_M")
+    assert (f.reference, f.fraction, str(f)) == ("Q4_K_M", 0.95, "0.95xQ4_K_M") and parse_floor("0.95xQ4_K_M") == f
     assert parse_floor("Q8_0").reference == "Q8_0" and parse_floor("Q8_0").fraction == 1.0
     for bad, needle in (("0", "above 0"), ("fast", "give tok/s"), ("5*Q4_K_M", "between 0.1 and 2"),
                         ("0.9*Q9_K", "give tok/s"), ("", "give tok/s")):
@@ -179,7 +179,7 @@ def test_quantize_target_bpw_writes_the_chosen_types_within_the_budget(f32_gguf,
     assert (tmp_path / "sized.gguf").stat().st_size <= target
     # a decode floor: each type's decode timed here, the allocation predicted at least that fast, said in the file
     fl = run_cli("quantize", f32_gguf, "--target-bpw", "6", "--calib-windows", "2", "--ctx", "32", "--decode-floor",
-                 "0.9*Q8_0", "--threads", "1", "--out", tmp_path / "floor.gguf", "--json",
+                 "0.9xQ8_0", "--threads", "1", "--out", tmp_path / "floor.gguf", "--json",
                  env={"QUANTGATE_CACHE": str(sens_cache)})
     assert fl.returncode == 0, fl.stderr[-2000:]
     f = json.loads(fl.stdout)
@@ -188,7 +188,7 @@ def test_quantize_target_bpw_writes_the_chosen_types_within_the_budget(f32_gguf,
     assert f["floor_tps"] == pytest.approx(0.9 / cost["reference_s"]["Q8_0"])
     assert set(cost["measured_s"]) >= {"Q8_0", "reference"} and all(v > 0 for v in cost["measured_s"].values())
     fields = GGUFReader(tmp_path / "floor.gguf").fields
-    assert fields["quantgate.allocation.decode_floor"].contents().startswith("0.9*Q8_0 (")
+    assert fields["quantgate.allocation.decode_floor"].contents().startswith("0.9xQ8_0 (")
     assert fields["quantgate.allocation.predicted_decode_tps"].contents() == pytest.approx(f["predicted_decode_tps"])
     assert not list(tmp_path.glob(".quantgate-*"))  # the timed files are gone
     far = run_cli("quantize", f32_gguf, "--target-bpw", "6", "--calib-windows", "2", "--ctx", "32", "--decode-floor",
@@ -249,6 +249,8 @@ def test_a_budget_scheme_runs_the_allocator_with_an_importance_matrix(f32_gguf, 
     d0, d1 = plain["sensitivity"]["delta"], with_im["sensitivity"]["delta"]
     assert d0.keys() == d1.keys() and d0 != d1
     assert len(list(sens_cache.glob("sens-*.json"))) == 2
+    fl = quantize(f32_gguf, get("gguf", "auto@6+floor=0.9xQ8_0"), tmp_path / "fl.gguf", calib, threads=1)
+    assert fl["decode_floor"] == "0.9xQ8_0" and fl["predicted_decode_tps"] >= fl["floor_tps"] * (1 - 1e-9)
     with pytest.raises(QuantgateError, match="between 1 and 32"):
         get("gguf", "auto@64")
 
@@ -262,3 +264,20 @@ def test_report_settings_take_budget_cells_and_refuse_bad_ones(tmp_path):
                         ("auto@4.5+fast", "unknown gguf scheme")):
         with pytest.raises(QuantgateError, match=needle):
             check_settings(ReportSettings("b", "g", str(tmp_path / "r"), backends=("gguf",), schemes={"gguf": [bad]}))
+
+
+def test_budget_names_take_sizes_and_floors_and_refuse_bad_ones():
+    """Report cells name what the CLI's options say: `auto@2.6GB`, `+floor=0.95xQ4_K_M`; a bad one is one line
+    before any cell runs."""
+    from quantgate.quant import get
+    s = get("gguf", "auto@2.6GB+floor=0.95xQ4_K_M+imatrix")
+    assert (s.target_bpw, s.target_bytes, s.imatrix, s.hold_gates) == (None, 2_600_000_000, True, False)
+    assert parse_floor(s.decode_floor) == parse_floor("0.95*Q4_K_M") and "0.95xQ4_K_M" in s.describe()["weights"]
+    s = get("gguf", "auto@5+held+floor=40")
+    assert (s.target_bpw, s.target_bytes, s.hold_gates, parse_floor(s.decode_floor).tps) == (5.0, None, True, 40.0)
+    assert get("gguf", "auto@900MiB").target_bytes == 900 * 2 ** 20
+    for bad, needle in (("auto@5+floor=Q9", "the floor"), ("auto@5+held+held", "at most once"),
+                        ("auto@0GB", "the size"), ("auto@5+floor=40+floor=Q8_0", "at most once"),
+                        ("auto@5+floor=0xQ8_0", "between 0.1 and 2")):
+        with pytest.raises(QuantgateError, match=needle):
+            get("gguf", bad)

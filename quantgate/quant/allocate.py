@@ -47,9 +47,10 @@ from ..metrics import window_scores
 from ..progress import track
 from ..reference import cache_dir
 from ..runners.open import fixed_ctx, open_runner
-from .decode_cost import DecodeCost, DecodeFloor, measure_decode_cost
+from .decode_cost import DecodeCost, measure_decode_cost
 from .llama_cpp import importance_matrix, run_quantizer
 from .schemes import ggml_type
+from .targets import DecodeFloor
 
 CANDIDATES = ("Q2_K", "Q3_K", "IQ4_XS", "Q4_K", "Q5_K", "Q6_K", "Q8_0")  # types llama.cpp's own mixtures use
 SMALL_ROW_CANDIDATES = ("IQ4_NL", "Q4_0", "Q5_0", "Q8_0")  # rows not a multiple of 256: 32-blocks (llama.cpp's fallbacks)
@@ -321,19 +322,6 @@ def held_gates(units: list[Unit], free: Allocation) -> dict[str, str]:
 def _bits(t: str) -> float:
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[t]]
     return 8 * size / block
-
-
-def parse_size(text: str) -> int:
-    """`2.6GB`, `900MB`, `512KiB` or a byte count, as bytes (GB = 1e9, GiB = 2**30)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)\s*", text or "", re.I)
-    if not m:
-        raise QuantgateError(f"--target-size {text!r}: give a size like 2.6GB, 900MB or a byte count")
-    unit = m.group(2).upper().rstrip("B") or ""
-    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2 ** 10, "MI": 2 ** 20, "GI": 2 ** 30,
-             "TI": 2 ** 40}.get(unit)
-    if scale is None or float(m.group(1)) <= 0:
-        raise QuantgateError(f"--target-size {text!r}: give a size like 2.6GB, 900MB or a byte count")
-    return int(float(m.group(1)) * scale)
 
 
 def budget_from(units: list[Unit], total_elements: int, other_bytes: int, header_bytes: int,

@@ -17,6 +17,7 @@ from .llama_cpp import quantize_gguf
 from .ort import quantize_onnx
 from .torch_backend import quantize_checkpoint
 from .schemes import GgufBudget, GgufScheme, OnnxScheme, TorchaoScheme, TorchScheme
+from .targets import parse_floor
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,9 @@ def _gguf(src, s: GgufScheme, out, c: CalibSettings, threads) -> dict:
 
 
 def _gguf_budget(src, s: GgufBudget, out, c: CalibSettings, threads) -> dict:
-    return allocate_gguf(src, out, s.target_bpw, None, c.data, c.windows, c.ctx, c.seed, threads, s.hold_gates,
-                         s.imatrix)
+    floor = parse_floor(s.decode_floor) if s.decode_floor else None
+    return allocate_gguf(src, out, s.target_bpw, s.target_bytes, c.data, c.windows, c.ctx, c.seed, threads,
+                         s.hold_gates, s.imatrix, floor)
 
 
 def _torchao(src, s: TorchaoScheme, out, c: CalibSettings, threads) -> dict:

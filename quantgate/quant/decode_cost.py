@@ -14,7 +14,7 @@ allocator therefore needs a speed model, and only a measured one is worth anythi
    exact for the files it was measured on, checked against the written files by benchmarks/allocator.py).
 
 A decode floor is given in tok/s (`40`), or as llama.cpp's own type (`Q4_K_M`: as fast as that file, measured in
-the same rounds), or a fraction of it (`0.95*Q4_K_M`).
+the same rounds), or a fraction of it (`0.95xQ4_K_M`); quant.targets parses it.
 
 Written by hand: no library models llama.cpp's per-type decode cost.
 """
@@ -23,14 +23,12 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import QuantgateError
 from ..formats.kind import GGUF_SUFFIX
 from ..fsio import write_json
 from ..identity import code_id, content_id, key
@@ -39,41 +37,9 @@ from ..reference import cache_dir
 from ..runners.bench import bench
 from ..runners.open import fixed_ctx, open_runner
 from .llama_cpp import run_quantizer
-from .schemes import GGUF_FILE_TYPES
+from .targets import DecodeFloor
 
 SPEED = dict(prefill=16, decode=256, rounds=9, kv="f16")  # short rounds: the per-type files are small to decode
-
-
-@dataclass(frozen=True)
-class DecodeFloor:
-    """At least `tps` tokens per second (`reference` None), or `fraction` of what llama.cpp's `reference` type
-    decodes at on the same model, measured in the same rounds."""
-    tps: float | None = None
-    reference: str | None = None
-    fraction: float = 1.0
-
-    def __str__(self) -> str:
-        if self.reference is None:
-            return f"{self.tps:g} tok/s"
-        return f"{self.fraction:g}*{self.reference}" if self.fraction != 1.0 else self.reference
-
-
-def parse_floor(text: str) -> DecodeFloor:
-    """`40` (tok/s), `Q4_K_M`, or `0.95*Q4_K_M`; anything else is one line naming the forms."""
-    t = (text or "").strip()
-    if re.fullmatch(r"[0-9]*\.?[0-9]+", t):
-        if float(t) <= 0:
-            raise QuantgateError(f"--decode-floor {text!r}: a speed above 0 tok/s")
-        return DecodeFloor(tps=float(t))
-    m = re.fullmatch(r"(?:([0-9]*\.?[0-9]+)\s*\*\s*)?([A-Za-z0-9_]+)", t)
-    if m and m.group(2).upper() in GGUF_FILE_TYPES:
-        frac = float(m.group(1)) if m.group(1) else 1.0
-        if not 0.1 <= frac <= 2.0:
-            raise QuantgateError(f"--decode-floor {text!r}: the fraction of {m.group(2).upper()}'s speed must be "
-                                 f"between 0.1 and 2")
-        return DecodeFloor(reference=m.group(2).upper(), fraction=frac)
-    raise QuantgateError(f"--decode-floor {text!r}: give tok/s (40), a llama.cpp type (Q4_K_M) or a fraction of "
-                         f"one (0.95*Q4_K_M)")
 
 
 @dataclass

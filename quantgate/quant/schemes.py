@@ -247,38 +247,60 @@ class GgufScheme:
 
 @dataclass(frozen=True)
 class GgufBudget:
-    """Per-tensor llama.cpp types chosen by quantgate's allocator (quant.allocate) under a bits-per-weight budget:
-    `auto@4.5`; `+imatrix` gives every quantization an importance matrix, `+held` holds the gates at the
-    allocation's base type (the gate A/B's other arm). Not listed in the registry (any budget is one): `get`
-    reads the name."""
+    """Per-tensor llama.cpp types chosen by quantgate's allocator (quant.allocate) under a budget: `auto@4.5` (bits
+    per weight) or `auto@2.6GB` (the file's size); `+imatrix` gives every quantization an importance matrix, `+held`
+    holds the gates at the allocation's base type (the gate A/B's other arm), `+floor=Q4_K_M` (or `=0.95xQ4_K_M`,
+    `=40` tok/s) keeps the predicted decode speed above a floor. Not listed in the registry (any budget is one):
+    `get` reads the name."""
     backend: ClassVar[str] = "gguf"
     name: str
-    target_bpw: float
+    target_bpw: float | None
     imatrix: bool = False
     hold_gates: bool = False
+    target_bytes: int | None = None
+    decode_floor: str | None = None
     keep: ClassVar[None] = None
     kv_type: ClassVar[None] = None
     needs_calibration: ClassVar[bool] = True  # sensitivity is measured on calibration windows
 
     def describe(self) -> dict:
-        return {"weights": f"allocated llama.cpp types per tensor, <= {self.target_bpw:g} bpw"
-                           + (" + imatrix" if self.imatrix else "") + (", gates held" if self.hold_gates else ""),
+        size = f"<= {self.target_bpw:g} bpw" if self.target_bpw is not None else f"<= {self.target_bytes:,} bytes"
+        return {"weights": f"allocated llama.cpp types per tensor, {size}"
+                           + (" + imatrix" if self.imatrix else "") + (", gates held" if self.hold_gates else "")
+                           + (f", decode >= {_floor_words(self.decode_floor)}" if self.decode_floor else ""),
                 "weight_bits": self.target_bpw, "group_size": None, "activations": "float", "kv_cache": None,
                 "artifact": ".gguf file"}
 
 
-BUDGET_NAME = re.compile(r"auto@([0-9]+(?:\.[0-9]+)?)((?:\+imatrix|\+held)*)")
+def _floor_words(text: str) -> str:
+    from .targets import parse_floor  # it reads this registry's type names
+    return str(parse_floor(text))
+
+
+BUDGET_NAME = re.compile(r"auto@([0-9]+(?:\.[0-9]+)?)([KMGT]i?B)?((?:\+imatrix|\+held|\+floor=[0-9A-Za-z_.]+)*)")
 
 
 def gguf_budget(name: str) -> GgufBudget | None:
-    """`auto@BPW[+imatrix][+held]` as its config; None for any other name; one line for a budget out of range."""
+    """`auto@BPW` or `auto@SIZE` (2.6GB, 900MB) with `+imatrix`, `+held`, `+floor=SPEED` as its config; None for any
+    other name; one line for a budget or floor out of range."""
+    from .targets import parse_floor, parse_size
     m = BUDGET_NAME.fullmatch(name)
     if m is None:
         return None
-    bpw, flags = float(m.group(1)), m.group(2)
+    flags = re.findall(r"\+(imatrix|held|floor=[0-9A-Za-z_.]+)", m.group(3))
+    floors = [f.partition("=")[2] for f in flags if f.startswith("floor=")]
+    if len(floors) > 1 or len(flags) != len(set(flags)):
+        raise QuantgateError(f"gguf:{name}: each of +imatrix, +held, +floor=... at most once")
+    floor = floors[0] if floors else None
+    if floor:
+        parse_floor(floor, f"gguf:{name}: the floor")  # refused here, before any cell runs
+    if m.group(2):
+        return GgufBudget(name, None, "imatrix" in flags, "held" in flags,
+                          parse_size(m.group(1) + m.group(2), f"gguf:{name}: the size"), floor)
+    bpw = float(m.group(1))
     if not 1.0 <= bpw <= 32.0:
         raise QuantgateError(f"gguf:{name}: the budget must be between 1 and 32 bits per weight")
-    return GgufBudget(name, bpw, imatrix="+imatrix" in flags, hold_gates="+held" in flags)
+    return GgufBudget(name, bpw, "imatrix" in flags, "held" in flags, None, floor)
 
 
 # --- torchao (real integer kernels, applied when the model is loaded: `eval --torchao`) -----------------
