@@ -381,6 +381,10 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
               help="with --target-bpw/--target-size: the gate tensors (attn_q, a hybrid's attn_gate, ssm_alpha, "
                    "ssm_beta, ssm_out) take the allocation's base type instead of what their measured KLD earns (the "
                    "A/B that shows whether protecting the gates pays)")
+@click.option("--sensitivity", type=click.Choice(["auto", "measured", "proxy"]), default="auto", show_default=True,
+              help="with --target-bpw/--target-size: measured (each tensor's KLD at each type: one quantization and "
+                   "run per tensor and type), proxy (each tensor's importance-weighted weight error at each type, "
+                   "from ggml's own quantizers on sampled rows: minutes at 9B), auto (measured up to 100M weights)")
 @click.option("--decode-floor", default=None, metavar="SPEED",
               help="with --target-bpw/--target-size: the file must decode at least this fast, predicted from each "
                    "type's decode time measured here with --threads: tok/s (40), a llama.cpp type (Q4_K_M: as fast "
@@ -398,7 +402,7 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
               help="torch: run the model one decoder block at a time and write the output as it goes (what a model "
                    "too large for memory gets anyway); the same file, one block's weights resident")
 def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, imatrix, gate_bits, target_bpw,
-             target_size, hold_gates, decode_floor, out, calib_data, calib_windows, ctx, seed, threads, layerwise):
+             target_size, hold_gates, sensitivity, decode_floor, out, calib_data, calib_windows, ctx, seed, threads, layerwise):
     """Quantize MODEL: a model directory under a named PyTorch scheme (writes a loadable checkpoint that
     records the scheme), a .gguf with llama.cpp's own quantizer (--type), or an ONNX export with
     onnxruntime.quantization (--scheme int8-dynamic|int8-static|int8-weight|int4). Every scheme is a row of
@@ -416,7 +420,8 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
     from quantgate.formats import artifact_kind
     if backend == "auto":
         backend = {"gguf": "llama.cpp", "onnx": "onnxruntime", "hf": "torch"}[artifact_kind(model)]
-    for flag, given in (("--hold-gates", hold_gates), ("--decode-floor", decode_floor)):
+    for flag, given in (("--hold-gates", hold_gates), ("--decode-floor", decode_floor),
+                        ("--sensitivity", sensitivity != "auto")):
         if given and target_bpw is None and target_size is None:
             raise QuantgateError(f"{flag} applies to an allocation: add --target-bpw or --target-size")
     if target_bpw is not None or target_size is not None:
@@ -427,7 +432,7 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
         from quantgate.quant.targets import parse_floor, parse_size
         floor = parse_floor(decode_floor) if decode_floor else None
         summary = allocate_gguf(model, out, target_bpw, parse_size(target_size) if target_size else None, calib_data,
-                                calib_windows, ctx, seed, threads, hold_gates, imatrix == "auto", floor)
+                                calib_windows, ctx, seed, threads, hold_gates, imatrix == "auto", floor, sensitivity)
         _emit(summary if as_json else {k: v for k, v in summary.items() if k not in ("sensitivity", "decode_cost")},
               as_json)
         return

@@ -3,6 +3,8 @@
 - `python -m quantgate.llama_worker run FD PATH ...`: the worker behind `quantgate.runners.llama.LlamaRunner`,
   answering requests (logits, tokenize, generate, one bench round) over a socket.
 - `python -m quantgate.llama_worker quantize REQUEST.json`: llama.cpp's quantizer for `quantgate.quant.llama_cpp`.
+- `python -m quantgate.llama_worker proxy REQUEST.json OUT.json`: ggml's own row quantizers on sampled rows of every
+  tensor, for the allocator's weight-error proxy (`quantgate.quant.proxy`); this one also reads the file with gguf-py.
 
 It imports only llama-cpp-python, numpy, the standard library and quantgate.sampling (numpy only): the parents
 check every file with gguf-py and pass plain numbers (ggml_type ids, llama_ftype), so a spawn does not pay for
@@ -185,6 +187,73 @@ def quantize_main(request_file: str) -> int:
 PEAK_PREFIX = "quantgate-peak-bytes"
 
 
+def proxy_main(request_file: str, out_file: str) -> int:
+    """Each unit's importance-weighted squared weight error at each type, from sampled rows quantized and dequantized
+    by ggml's own row functions (ggml_quantize_chunk, dequantize_row_*: the code llama.cpp's quantizer runs, so
+    the error is the file's), scaled to the whole tensor; and the sampled rows' squared norm, likewise scaled."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from gguf import GGUFReader
+    from llama_cpp._ggml import libggml as lib
+
+    req = json.loads(Path(request_file).read_text())
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    im = dict(np.load(req["imatrix"])) if req.get("imatrix") else {}
+    tensors = {t.name: t for t in GGUFReader(req["src"]).tensors}
+    rng = np.random.default_rng(req["seed"])
+    out = {}
+    for name, types in req["units"]:
+        t = tensors[name]
+        row = int(t.shape[0])
+        w = _float_rows(t, row)
+        pick = np.sort(rng.choice(len(w), size=min(req["rows"], len(w)), replace=False))
+        x = np.ascontiguousarray(w[pick], dtype=np.float32)
+        scale = len(w) / len(x)
+        imp = np.ones(row, dtype=np.float32)
+        if name in im and im[name].size % row == 0:
+            imp = im[name].reshape(-1, row).mean(0).astype(np.float32)  # a MoE's experts: their mean
+        errs = {}
+        for tname, (gtype, block, size) in types.items():
+            dst = np.zeros(x.size // block * size, dtype=np.uint8)
+            lib.ggml_quantize_chunk(gtype, x.ctypes.data, dst.ctypes.data, 0, len(x), row,
+                                    imp.ctypes.data if name in im else None)
+            deq = getattr(lib, "dequantize_row_" + tname.lower().replace("_k", "_K"))
+            deq.restype, deq.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+            y = np.zeros_like(x)
+            deq(dst.ctypes.data, y.ctypes.data, x.size)
+            errs[tname] = float((((x - y) ** 2) * imp).sum() * scale)
+        out[name] = {"err": errs, "sq": float(((x ** 2) * imp).sum() * scale), "rows": int(len(w)),
+                     "sampled": int(len(x))}
+    Path(out_file).write_text(json.dumps(out))
+    print(f"{PEAK_PREFIX} {_peak_bytes()}")
+    return 0
+
+
+def _float_rows(t, row: int) -> np.ndarray:
+    """A float tensor's rows (ggml's ne[0] each) as a float32-convertible view: F32, F16, or BF16 widened."""
+    data = np.asarray(t.data)
+    kind = t.tensor_type.name
+    if kind == "BF16":
+        raw = data.view(np.uint16).reshape(-1, row)
+        return _Bf16Rows(raw)
+    if kind == "F16":
+        return data.view(np.float16).reshape(-1, row)
+    return data.view(np.float32).reshape(-1, row)
+
+
+class _Bf16Rows:
+    """BF16 rows widened to float32 only where indexed (a 9B file's tensors stay memory-mapped)."""
+    def __init__(self, raw: np.ndarray):
+        self.raw = raw
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __getitem__(self, idx) -> np.ndarray:
+        return (self.raw[idx].astype(np.uint32) << 16).view(np.float32)
+
+
 def _peak_bytes() -> int:
     """This process's own peak RSS (VmHWM), 0 where /proc is not there."""
     return own_peak_bytes() or 0
@@ -199,4 +268,6 @@ def run_main(argv: list[str]) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "quantize":
         sys.exit(quantize_main(sys.argv[2]))
+    if sys.argv[1] == "proxy":
+        sys.exit(proxy_main(sys.argv[2], sys.argv[3]))
     run_main(sys.argv[2:])

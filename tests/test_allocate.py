@@ -204,6 +204,7 @@ def test_quantize_target_bpw_writes_the_chosen_types_within_the_budget(f32_gguf,
                                             (["--target-bpw", "4", "--type", "Q4_K_M"], "replace --type"),
                                             (["--hold-gates"], "--hold-gates applies to an allocation"),
                                             (["--decode-floor", "Q4_K_M"], "--decode-floor applies to an allocation"),
+                                            (["--sensitivity", "proxy"], "--sensitivity applies to an allocation"),
                                             (["--target-bpw", "6", "--decode-floor", "0.9*Q9"], "give tok/s"),
                                             (["--target-bpw", "6", "--decode-floor", "1e9"], "give tok/s")])
 def test_a_budget_the_model_cannot_meet_is_one_line_and_writes_nothing(f32_gguf, tmp_path, target, needle):
@@ -281,3 +282,51 @@ def test_budget_names_take_sizes_and_floors_and_refuse_bad_ones():
                         ("auto@5+floor=0xQ8_0", "between 0.1 and 2")):
         with pytest.raises(QuantgateError, match=needle):
             get("gguf", bad)
+
+
+def test_the_weight_error_proxy_is_ggmls_own_error_and_falls_with_bits(f32_gguf):
+    """The proxy's errors, from ggml's row quantizers in the llama.cpp worker, equal gguf-py's independent numpy
+    quantizers where both exist (Q8_0, Q4_0, Q5_0; every row sampled) and fall as the bits rise."""
+    import gguf.quants
+    from gguf import GGMLQuantizationType
+
+    from quantgate.formats.gguf import open_reader
+    from quantgate.quant.allocate import units_of
+    from quantgate.quant.proxy import weight_errors
+    units = units_of(f32_gguf)
+    errors = weight_errors(f32_gguf, units, rows=10_000)
+    tensors = {t.name: t for t in open_reader(f32_gguf).tensors}
+    for u in units:
+        e = errors[u.name]
+        w = np.asarray(tensors[u.name].data, dtype=np.float32).reshape(-1, u.row)
+        assert e["sampled"] == e["rows"] == len(w)
+        for t in [t for t in ("Q8_0", "Q4_0", "Q5_0") if t in u.candidates()]:
+            q = GGMLQuantizationType[t]
+            ref = float(((w - gguf.quants.dequantize(gguf.quants.quantize(w, q), q)) ** 2).sum())
+            assert e["err"][t] == pytest.approx(ref, rel=1e-4), (u.name, t)
+        order = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0") if u.row % 256 == 0 else ("Q4_0", "Q5_0", "Q8_0")
+        assert all(e["err"][a] > e["err"][b] > 0 for a, b in zip(order, order[1:])), (u.name, e["err"])
+        assert e["sq"] == pytest.approx(float((w.astype(np.float64) ** 2).sum()), rel=1e-5)
+    few = weight_errors(f32_gguf, units, rows=8)  # sampled rows, scaled to the tensor
+    big = max(units, key=lambda u: u.n_elements // u.row)
+    assert few[big.name]["sampled"] == 8 and few[big.name]["err"]["Q8_0"] == pytest.approx(
+        errors[big.name]["err"]["Q8_0"], rel=0.5)
+
+
+def test_quantize_with_the_proxy_writes_a_file_within_the_budget(f32_gguf, tmp_path):
+    """`--sensitivity proxy`: no calibration run, the types from the weight error, the budget met, the file says
+    which sensitivity chose its types and states no predicted KLD."""
+    from gguf import GGUFReader
+
+    from quantgate.formats import inspect_gguf
+    out = tmp_path / "proxy.gguf"
+    r = run_cli("quantize", f32_gguf, "--target-bpw", "6", "--sensitivity", "proxy", "--out", out, "--json",
+                env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads(r.stdout)
+    assert s["sensitivity_kind"] == "proxy" and s["predicted_kld"] is None and s["predicted_proxy_error"] > 0
+    assert inspect_gguf(out).bits_per_weight <= 6.0 and len(set(s["types"].values())) >= 2
+    fields = GGUFReader(out).fields
+    assert fields["quantgate.allocation.sensitivity"].contents() == "proxy"
+    assert "quantgate.allocation.predicted_kld" not in fields
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").glob("sens-*"))  # nothing measured

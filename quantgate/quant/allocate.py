@@ -92,9 +92,14 @@ def units_of(path: str | Path) -> list[Unit]:
     out = []
     for t in open_reader(path).tensors:
         shape = [int(d) for d in t.shape]
-        if len(shape) >= 2 and shape[0] % 32 == 0:
+        if len(shape) >= 2 and shape[0] % 32 == 0 and not t.name.endswith(KEPT_FLOAT):
             out.append(Unit(t.name, int(np.prod(shape)), shape[0]))
     return out
+
+
+# Tensors llama.cpp's quantizer keeps in float whatever it is asked (llama-quant.cpp's name checks: MoE routers, a
+# GDN/Mamba conv kernel). The measured path also learns this from its base file; the proxy path writes one file only.
+KEPT_FLOAT = ("ffn_gate_inp.weight", "ssm_conv1d.weight")
 
 
 def overrides(assign: dict[str, str]) -> list:
@@ -104,16 +109,32 @@ def overrides(assign: dict[str, str]) -> list:
 
 @dataclass
 class Sensitivity:
-    """Measured KLD deltas: base_kld (every unit at BASE), delta[unit][type], the calibration it was measured on."""
+    """Per unit and type, the increase over every unit at BASE: measured KLD (`kind` "measured": base_kld, the
+    calibration it was measured on) or the weight-error proxy (`kind` "proxy", quant.proxy: its own unit, base_kld
+    0, `windows` the rows sampled per tensor)."""
     base_kld: float
     delta: dict[str, dict[str, float]]
     windows: int
     ctx: int
     data: str
+    kind: str = "measured"
 
     def to_dict(self) -> dict:
-        return {"base_type": BASE, "base_kld": self.base_kld, "delta": self.delta, "windows": self.windows,
-                "ctx": self.ctx, "data": self.data}
+        return {"kind": self.kind, "base_type": BASE, "base_kld": self.base_kld, "delta": self.delta,
+                "windows": self.windows, "ctx": self.ctx, "data": self.data}
+
+
+PROXY_ABOVE = 100_000_000  # weights: --sensitivity auto measures below, takes the proxy above (hours to measure)
+
+
+def proxy_sensitivity(src: Path, units: list[Unit], im: dict | None = None, rows: int | None = None,
+                      seed: int = 0) -> Sensitivity:
+    """The weight-error proxy (quant.proxy) as a Sensitivity; units llama.cpp would leave in float are dropped as
+    the measured path drops them (a tensor whose rows its types do not take)."""
+    from .proxy import ROWS, proxy_deltas, weight_errors
+    rows = rows or ROWS
+    delta = proxy_deltas(weight_errors(src, units, im, rows, seed), BASE)
+    return Sensitivity(0.0, delta, rows, 0, "weights" + (" + importance matrix" if im is not None else ""), "proxy")
 
 
 def measure_sensitivity(src: str | Path, units: list[Unit], calib_data: str = "embedded", n_windows: int = 8,
@@ -354,13 +375,14 @@ def budget_from(units: list[Unit], total_elements: int, other_bytes: int, header
 def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = None, target_bytes: int | None = None,
                   calib_data: str = "embedded", calib_windows: int = 8, ctx: int = 128, seed: int = 0,
                   threads: int | None = None, hold_gates: bool = False, imatrix: bool = False,
-                  decode_floor: DecodeFloor | None = None) -> dict:
+                  decode_floor: DecodeFloor | None = None, sensitivity: str = "auto") -> dict:
     """Write `out` from the F32/F16/BF16 GGUF `src` with per-tensor types chosen under the target (bits per weight
     over all tensors, or file bytes); `hold_gates` keeps the gate units at the allocation's base type (the A/B's
     held arm: the same budget, the gates given no more bits than most of the model); `imatrix`: every
     quantization, the measured ones and the written file, takes an importance matrix from the calibration windows;
     `decode_floor`: the file's decode speed, predicted from per-type timings taken here with `threads`
-    (quant.decode_cost), must not fall below it.
+    (quant.decode_cost), must not fall below it; `sensitivity`: "measured" (KLD per tensor and type), "proxy"
+    (weight error, quant.proxy: for models too large to measure) or "auto" (measured up to PROXY_ABOVE weights).
     The chosen types land in the file's metadata (quantgate.allocation.*) and, with the measured sensitivity, in
     `out`.allocation.json. Returns that summary."""
     if (target_bpw is None) == (target_bytes is None):
@@ -382,8 +404,15 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
     header = (src.stat().st_size - float_bytes + 32 * len(tensors)  # + each tensor's alignment padding, at most
               + _metadata_bytes(units))
     budget = budget_from(units, total, other, header, target_bpw, target_bytes, float_bytes)
+    if sensitivity not in ("auto", "measured", "proxy"):
+        raise QuantgateError(f"--sensitivity must be auto, measured or proxy, got {sensitivity!r}")
+    if sensitivity == "auto":
+        sensitivity = "proxy" if total > PROXY_ABOVE else "measured"
     im = _importance(src, calib_data, calib_windows, ctx, seed) if imatrix else None
-    sens = measure_sensitivity(src, units, calib_data, calib_windows, ctx, seed, threads, out.parent, im)
+    if sensitivity == "proxy":
+        sens = proxy_sensitivity(src, units, im, seed=seed)
+    else:
+        sens = measure_sensitivity(src, units, calib_data, calib_windows, ctx, seed, threads, out.parent, im)
     units = [u for u in units if u.name in sens.delta]  # llama.cpp quantizes these
     cost = limit = None
     if decode_floor is not None:
@@ -394,10 +423,14 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
     if hold_gates:
         plan = allocate(units, sens, budget, held_gates(units, plan), cost, limit)
     target = f"{target_bpw:g} bpw" if target_bpw is not None else f"{target_bytes} bytes"
-    meta = {f"{META}.target": target, f"{META}.predicted_kld": float(plan.predicted_kld),
-            f"{META}.hold_gates": hold_gates, f"{META}.imatrix": imatrix,
-            f"{META}.calibration": f"{calib_data}: {sens.windows} windows of {sens.ctx} tokens",
+    measured = sens.kind == "measured"
+    meta = {f"{META}.target": target, f"{META}.sensitivity": sens.kind, f"{META}.hold_gates": hold_gates,
+            f"{META}.imatrix": imatrix,
+            f"{META}.calibration": (f"{calib_data}: {sens.windows} windows of {sens.ctx} tokens" if measured else
+                                    f"{sens.data}: {sens.windows} sampled rows per tensor"),
             f"{META}.tensor_types": [f"{n}={t}" for n, t in plan.types.items()]}
+    if measured:
+        meta[f"{META}.predicted_kld"] = float(plan.predicted_kld)
     if cost is not None:
         meta[f"{META}.decode_floor"] = f"{decode_floor} ({1 / limit:.4g} tok/s here)"
         meta[f"{META}.predicted_decode_tps"] = float(1 / plan.predicted_decode_s)
@@ -417,7 +450,9 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
             raw.unlink(missing_ok=True)
     summary = {"src": str(src), "out": str(out), "target_bpw": target_bpw, "target_bytes": target_bytes,
                "bytes": out.stat().st_size, "bits_per_weight": round(written.bits_per_weight, 4),
-               "predicted_kld": plan.predicted_kld, "hold_gates": hold_gates, "imatrix": imatrix,
+               "sensitivity_kind": sens.kind, "predicted_kld": plan.predicted_kld if measured else None,
+               **({} if measured else {"predicted_proxy_error": plan.predicted_kld}),
+               "hold_gates": hold_gates, "imatrix": imatrix,
                "types": plan.types, "gate_types": {n: t for n, t in plan.types.items() if n.endswith(GATE_UNITS)},
                "sensitivity": sens.to_dict()}
     if cost is not None:
