@@ -1,0 +1,276 @@
+"""The allocator's weight-error proxy (`quantize --sensitivity proxy`): how well it ranks what measured KLD ranks, what
+its files lose against measured allocations, and what it costs at a Qwen3.5-9B shape (issue 36).
+
+`--part rank` (a CPU-trained pair, `--run DIR` from `benchmarks/allocator.py --arch medium --keep-run DIR`, or
+trained here): for each twin's F32 GGUF,
+
+1. measured sensitivity (each tensor alone at each type, KLD on 8 calibration windows of 128 tokens, valid split)
+   and the proxy's (importance 1: no calibration at all; 256 sampled rows per tensor);
+2. Spearman's rank correlation between the two over every (tensor, type) pair, and over tensors at one type
+   (Q4_K: which tensors suffer most), each with a 95% bootstrap interval over tensors;
+3. at budgets of 4.25, 5.25 and 6.5 bpw: the measured allocation, the proxy allocation and the best llama.cpp
+   standard type at <= the proxy file's size, mean KLD against the float twin on 64 test windows of 128 tokens,
+   with paired window-bootstrap ratios proxy / measured and proxy / standard.
+
+`--part scale`: a Qwen3.5-9B-shape checkpoint with random bf16 weights (benchmarks/scale.py's writer), exported to
+a bf16 GGUF, then `quantize --type Q4_K_M` and `quantize --target-size <that file's size> --sensitivity proxy`, each
+in its own process: wall time and peak RSS of its largest process (getrusage of the waited children, one command
+per wrapper). The allocation's quality at 9B is not measured (random weights; a 9B float reference does not run
+here); its time and memory against plain quantization are the point. Every file is removed when its numbers are
+written; needs ~45 GB free.
+
+    python benchmarks/allocator_proxy.py --part rank --run /tmp/qg/medrun
+    python benchmarks/allocator_proxy.py --part scale [--work DIR] [--shape qwen35-9b]
+
+Each part replaces its entry in benchmarks/results/allocator_proxy.json and rewrites allocator_proxy.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from allocator import CALIB, EVAL, STANDARD, cli, evaluate, paired_ratio  # noqa: E402  (the same protocol)
+
+RESULTS = Path(__file__).parent / "results"
+BUDGETS = (4.25, 5.25, 6.5)
+ONE_TYPE = "Q4_K"
+
+
+def ranks(x: np.ndarray) -> np.ndarray:
+    r = np.empty(len(x))
+    r[np.argsort(x, kind="stable")] = np.arange(len(x))
+    return r
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
+
+
+def rank_agreement(measured: dict, proxy: dict, types: list[str] | None = None, n: int = 2000, seed: int = 0) -> dict:
+    """Spearman's rho between measured and proxy deltas over (tensor, type) pairs (types other than the base, or
+    `types`), with a 95% bootstrap interval resampling tensors."""
+    names = sorted(measured)
+    pairs = [(i, t) for i, nm in enumerate(names) for t in measured[nm] if t != "Q8_0" and (types is None or t in types)
+             and t in proxy[nm]]
+    m = np.array([measured[names[i]][t] for i, t in pairs])
+    p = np.array([proxy[names[i]][t] for i, t in pairs])
+    unit = np.array([i for i, _ in pairs])
+    rng = np.random.default_rng(seed)
+    draws = []
+    for _ in range(n):
+        pick = rng.integers(0, len(names), len(names))
+        idx = np.concatenate([np.flatnonzero(unit == u) for u in pick])
+        if len(idx) > 2:
+            draws.append(spearman(m[idx], p[idx]))
+    lo, hi = np.nanpercentile(draws, [2.5, 97.5])
+    return {"rho": spearman(m, p), "ci95": [float(lo), float(hi)], "pairs": len(pairs), "tensors": len(names)}
+
+
+def part_rank(run: Path, cache: Path) -> dict:
+    from quantgate.quant.allocate import BASE, measure_sensitivity, proxy_sensitivity, units_of
+    os.environ["QUANTGATE_CACHE"] = str(cache)
+    out = {"run": str(run), "twins": []}
+    with tempfile.TemporaryDirectory(prefix="quantgate-proxy-") as tmp:
+        work = Path(tmp)
+        for name in ("baseline", "gated"):
+            f32 = work / f"{name}-F32.gguf"
+            cli("export", "gguf", run / name, "--out", f32, "--outtype", "f32")
+            units = units_of(f32)
+            t0 = time.perf_counter()
+            meas = measure_sensitivity(f32, units, "embedded", CALIB["windows"], CALIB["ctx"], 0, None, work)
+            t_meas = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            prox = proxy_sensitivity(f32, units)
+            t_prox = time.perf_counter() - t0
+            kept = {n: d for n, d in prox.delta.items() if n in meas.delta}
+            tw = {"twin": name, "tensors": len(meas.delta), "base_type": BASE,
+                  "measured_seconds_or_cached": round(t_meas, 1), "proxy_seconds": round(t_prox, 1),
+                  "all_types": rank_agreement(meas.delta, kept),
+                  "one_type": {"type": ONE_TYPE, **rank_agreement(meas.delta, kept, [ONE_TYPE])}, "budgets": []}
+            print(json.dumps({k: v for k, v in tw.items() if k != "budgets"}), flush=True)
+            env = {"QUANTGATE_CACHE": str(cache)}
+            calib = ["--calib-windows", CALIB["windows"], "--ctx", CALIB["ctx"]]
+            std = {}
+            for t in STANDARD:
+                p = work / f"{name}-{t}.gguf"
+                cli("quantize", f32, "--type", t, "--out", p, env=env)
+                std[t] = p
+            for b in BUDGETS:
+                files, row = {}, {"budget_bpw": b}
+                for kind in ("measured", "proxy"):
+                    p = work / f"{name}-{b}-{kind}.gguf"
+                    cli("quantize", f32, "--target-bpw", b, "--sensitivity", kind, *calib, "--out", p, env=env)
+                    files[kind] = (p, evaluate(p, run / name, cache))
+                    row[kind] = {k: v for k, v in files[kind][1].items() if k != "per_window"}
+                    row[kind]["types"] = json.loads(Path(str(p) + ".allocation.json").read_text())["types"]
+                pbytes = files["proxy"][1]["bytes"]
+                fits = [t for t in STANDARD if std[t].stat().st_size <= pbytes]
+                row["proxy_vs_measured"] = paired_ratio(files["proxy"][1]["per_window"],
+                                                        files["measured"][1]["per_window"])
+                if fits:
+                    evs = {t: evaluate(std[t], run / name, cache) for t in fits}
+                    best = min(fits, key=lambda t: evs[t]["kld_mean"])
+                    row["best_standard"] = best
+                    row["standard"] = {k: v for k, v in evs[best].items() if k != "per_window"}
+                    row["proxy_vs_best_standard"] = paired_ratio(files["proxy"][1]["per_window"],
+                                                                 evs[best]["per_window"])
+                    row["measured_vs_best_standard"] = paired_ratio(files["measured"][1]["per_window"],
+                                                                    evs[best]["per_window"])
+                for p, _ in files.values():
+                    p.unlink()
+                    Path(str(p) + ".allocation.json").unlink()
+                tw["budgets"].append(row)
+                print(json.dumps({"twin": name, "budget": b, "proxy_vs_measured": row["proxy_vs_measured"],
+                                  "proxy_vs_best_standard": row.get("proxy_vs_best_standard")}), flush=True)
+            for p in std.values():
+                p.unlink()
+            f32.unlink()
+            out["twins"].append(tw)
+    return out
+
+
+def part_scale(shape: str, work: Path) -> dict:
+    import scale
+    cfg = scale.SHAPES[shape]()
+    d = scale.claim(work / shape)
+    res: dict = {"shape": shape}
+    try:
+        ckpt, f16 = d / "ckpt", d / "model-BF16.gguf"
+        res["checkpoint"] = scale.write_checkpoint(cfg, ckpt)
+        res["export"] = _brief(scale.measured(scale.qg("export", "gguf", str(ckpt), "--out", str(f16), "--outtype",
+                                                       "bf16")))
+        shutil.rmtree(ckpt)
+        plain = d / "Q4_K_M.gguf"
+        res["quantize Q4_K_M"] = _brief(scale.measured(scale.qg("quantize", str(f16), "--type", "Q4_K_M", "--out",
+                                                                str(plain))))
+        size = plain.stat().st_size
+        res["q4_k_m_bytes"] = size
+        plain.unlink()
+        alloc = d / "auto.gguf"
+        r = scale.measured(scale.qg("quantize", str(f16), "--target-size", str(size), "--sensitivity", "proxy",
+                                    "--out", str(alloc), "--json"))
+        res["quantize --target-size (proxy)"] = _brief(r)
+        if r["rc"] == 0:
+            s = json.loads(Path(str(alloc) + ".allocation.json").read_text())  # stdout's tail is cut at 3000 chars
+            res["allocated_bytes"] = alloc.stat().st_size
+            res["allocated_bits_per_weight"] = s.get("bits_per_weight")
+            counts: dict = {}
+            for t in s.get("types", {}).values():
+                counts[t] = counts.get(t, 0) + 1
+            res["allocated_type_counts"] = counts
+        q, a = res["quantize Q4_K_M"], res["quantize --target-size (proxy)"]
+        res["time_ratio"] = a["seconds"] / q["seconds"]
+        res["peak_ratio"] = a["peak_rss"] / q["peak_rss"]
+    finally:
+        scale.remove_own(d)
+    return res
+
+
+def _brief(r: dict) -> dict:
+    return {"rc": r["rc"], "seconds": round(r["seconds"], 1), "peak_rss": r["peak_rss"],
+            "own_peak_line": r.get("own_peak_line"), "error_line": r.get("error_line")}
+
+
+def write_tables(result: dict) -> None:
+    lines = ["# The allocator's weight-error proxy", ""]
+    if "rank" in result:
+        e = result["rank"]
+        lines += ["## Proxy vs measured sensitivity (CPU-trained medium pair)", "",
+                  f"`{e['command']}` at {e['commit']} ({e['seconds'] / 60:.0f} min). Measured: each tensor alone at "
+                  f"each type, KLD on {CALIB['windows']} calibration windows of {CALIB['ctx']} tokens (valid split). "
+                  "Proxy: importance-weighted weight error (importance 1), 256 sampled rows per tensor, ggml's own "
+                  "quantizers. Spearman's rho with a 95% bootstrap interval over tensors.", "",
+                  "| twin | tensors | rho, all (tensor, type) pairs | rho across tensors at Q4_K | proxy s | measured s |",
+                  "|---|---|---|---|---|---|"]
+        for tw in e["twins"]:
+            a, o = tw["all_types"], tw["one_type"]
+            lines.append(f"| {tw['twin']} | {tw['tensors']} | {a['rho']:.3f} [{a['ci95'][0]:.3f}, {a['ci95'][1]:.3f}] "
+                         f"| {o['rho']:.3f} [{o['ci95'][0]:.3f}, {o['ci95'][1]:.3f}] | {tw['proxy_seconds']} | "
+                         f"{tw['measured_seconds_or_cached']} |")
+        lines += ["", f"Files at the same budget: mean KLD against the float twin on {EVAL['windows']} test windows of "
+                  f"{EVAL['ctx']} tokens; paired window-bootstrap ratios [95%].", "",
+                  "| twin | budget | KLD measured alloc | KLD proxy alloc | proxy / measured | best standard <= proxy "
+                  "size | proxy / standard | measured / standard |", "|---|---|---|---|---|---|---|---|"]
+        for tw in e["twins"]:
+            for r in tw["budgets"]:
+                pm = r["proxy_vs_measured"]
+                cells = [f"{r['measured']['kld_mean']:.4g}", f"{r['proxy']['kld_mean']:.4g}",
+                         f"{pm['ratio']:.3f} [{pm['ci95'][0]:.3f}, {pm['ci95'][1]:.3f}]"]
+                if "best_standard" in r:
+                    ps, ms = r["proxy_vs_best_standard"], r["measured_vs_best_standard"]
+                    cells += [r["best_standard"], f"{ps['ratio']:.3f} [{ps['ci95'][0]:.3f}, {ps['ci95'][1]:.3f}]",
+                              f"{ms['ratio']:.3f} [{ms['ci95'][0]:.3f}, {ms['ci95'][1]:.3f}]"]
+                else:
+                    cells += ["none this small", "-", "-"]
+                lines.append(f"| {tw['twin']} | {r['budget_bpw']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if "scale" in result:
+        e = result["scale"]
+        s = e["result"]
+        q, a = s["quantize Q4_K_M"], s["quantize --target-size (proxy)"]
+        lines += [f"## Allocation at a {s['shape']} shape (random bf16 weights)", "",
+                  f"`{e['command']}` at {e['commit']}; each command in its own process, wall time and peak RSS of its "
+                  "largest process.", "",
+                  "| command | rc | seconds | peak RSS GB |", "|---|---|---|---|",
+                  f"| quantize --type Q4_K_M | {q['rc']} | {q['seconds']} | {q['peak_rss'] / 1e9:.2f} |",
+                  f"| quantize --target-size {s['q4_k_m_bytes']} --sensitivity proxy | {a['rc']} | {a['seconds']} | "
+                  f"{a['peak_rss'] / 1e9:.2f} |", "",
+                  f"Allocation / plain: time {s['time_ratio']:.2f}x, peak memory {s['peak_ratio']:.2f}x (goal: <= 2x "
+                  f"both). Allocated file: {s.get('allocated_bytes', 0):,} bytes vs Q4_K_M's {s['q4_k_m_bytes']:,}; "
+                  f"types: {s.get('allocated_type_counts')}.", ""]
+    (RESULTS / "allocator_proxy.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=("rank", "scale"), required=False)
+    ap.add_argument("--run", default=None, help="rank: the trained pair (train --twins --preset medium)")
+    ap.add_argument("--steps", type=int, default=300, help="rank without --run: train the medium pair this long")
+    ap.add_argument("--shape", default="qwen35-9b")
+    ap.add_argument("--work", default=None, help="scale: folder for the checkpoint and files (~45 GB at 9B)")
+    ap.add_argument("--tables-only", action="store_true")
+    args = ap.parse_args()
+    path = RESULTS / "allocator_proxy.json"
+    result = json.loads(path.read_text()) if path.is_file() else {}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform()}
+    t0 = time.perf_counter()
+    if args.part == "rank":
+        with tempfile.TemporaryDirectory(prefix="quantgate-proxy-run-") as tmp:
+            run = Path(args.run) if args.run else Path(tmp) / "run"
+            if not (run / "gated").is_dir():
+                cli("train", "--twins", "--preset", "medium", "--batch-size", 8, "--ctx", 128, "--steps", args.steps,
+                    "--out", run)
+            cache = run.parent / f"{run.name}-cache"
+            r = part_rank(run, cache)
+        result["rank"] = {"command": "python benchmarks/allocator_proxy.py --part rank"
+                                     + (f" --run {args.run}" if args.run else f" --steps {args.steps}"),
+                          "commit": commit, "machine": machine, "seconds": round(time.perf_counter() - t0, 1), **r}
+    elif args.part == "scale":
+        work = Path(args.work or tempfile.gettempdir()) / "qg-alloc-scale"
+        r = part_scale(args.shape, work)
+        if work.is_dir() and not any(work.iterdir()):
+            work.rmdir()
+        result["scale"] = {"command": f"python benchmarks/allocator_proxy.py --part scale --shape {args.shape}",
+                           "commit": commit, "machine": machine, "seconds": round(time.perf_counter() - t0, 1),
+                           "result": r}
+    if args.part:
+        path.write_text(json.dumps(result, indent=1) + "\n")
+    write_tables(result)
+
+
+if __name__ == "__main__":
+    main()
