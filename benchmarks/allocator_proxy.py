@@ -77,6 +77,44 @@ def rank_agreement(measured: dict, proxy: dict, types: list[str] | None = None, 
     return {"rho": spearman(m, p), "ci95": [float(lo), float(hi)], "pairs": len(pairs), "tensors": len(names)}
 
 
+def base_kld_now(f32: Path, units) -> tuple[float, np.ndarray]:
+    """KLD of the base file (every unit at the base type) on the calibration windows, computed now: the number a
+    measured sensitivity starts from, which identifies the sensitivity file that belongs to this model."""
+    from quantgate.calib_data import calibration_windows
+    from quantgate.formats.gguf import open_reader, tokenizer_from_gguf
+    from quantgate.metrics import window_scores
+    from quantgate.quant.allocate import BASE, _logits
+    from quantgate.quant.llama_cpp import exact_overrides, run_quantizer
+    windows = calibration_windows(tokenizer_from_gguf(open_reader(f32)), "embedded", CALIB["windows"], CALIB["ctx"], 0)
+    ref = _logits(f32, windows, None)
+    base = f32.with_name(f32.stem + "-base.gguf")
+    try:
+        run_quantizer(f32, base, BASE, exact_overrides({u.name: BASE for u in units}))
+        lg = _logits(base, windows, None)
+    finally:
+        base.unlink(missing_ok=True)
+    return float(np.mean([window_scores(ref[i], lg[i], windows[i])["kld"].mean() for i in range(len(windows))])), windows
+
+
+def measured_from(folder: Path, f32: Path, units):
+    """A measured sensitivity that an earlier run (benchmarks/allocator.py) cached in `folder` for this model: the
+    sens-*.json whose tensors are this model's and whose base KLD equals the one computed now (relative 1e-4);
+    None when there is none. Saves re-measuring when the code (and so the cache key) has changed since: the file is
+    copied to this code's cache key, so `quantize --sensitivity measured` reads it too."""
+    from quantgate.fsio import write_json
+    from quantgate.quant.allocate import Sensitivity, sensitivity_cache
+    now, windows = base_kld_now(f32, units)
+    names = {u.name for u in units}
+    for p in sorted(folder.glob("sens-*.json")):
+        d = json.loads(p.read_text())
+        if set(d["delta"]) <= names and abs(d["base_kld"] - now) <= 1e-4 * abs(now):
+            target = sensitivity_cache(f32, units, windows, None)
+            if not target.is_file():
+                write_json(target, d)
+            return Sensitivity(d["base_kld"], d["delta"], d["windows"], d["ctx"], d["data"]), p.name
+    return None
+
+
 def part_rank(run: Path, cache: Path) -> dict:
     from quantgate.quant.allocate import BASE, measure_sensitivity, proxy_sensitivity, units_of
     os.environ["QUANTGATE_CACHE"] = str(cache)
@@ -88,13 +126,16 @@ def part_rank(run: Path, cache: Path) -> dict:
             cli("export", "gguf", run / name, "--out", f32, "--outtype", "f32")
             units = units_of(f32)
             t0 = time.perf_counter()
-            meas = measure_sensitivity(f32, units, "embedded", CALIB["windows"], CALIB["ctx"], 0, None, work)
+            found = measured_from(cache, f32, units)
+            meas = found[0] if found else measure_sensitivity(f32, units, "embedded", CALIB["windows"], CALIB["ctx"],
+                                                              0, None, work)
             t_meas = time.perf_counter() - t0
             t0 = time.perf_counter()
             prox = proxy_sensitivity(f32, units)
             t_prox = time.perf_counter() - t0
             kept = {n: d for n, d in prox.delta.items() if n in meas.delta}
             tw = {"twin": name, "tensors": len(meas.delta), "base_type": BASE,
+                  "measured_from": found[1] if found else "measured now",
                   "measured_seconds_or_cached": round(t_meas, 1), "proxy_seconds": round(t_prox, 1),
                   "all_types": rank_agreement(meas.delta, kept),
                   "one_type": {"type": ONE_TYPE, **rank_agreement(meas.delta, kept, [ONE_TYPE])}, "budgets": []}

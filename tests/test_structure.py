@@ -150,12 +150,17 @@ def test_quantizers_live_in_quant_and_old_paths_are_gone():
 
 
 def test_the_quant_registry_imports_nothing_above_it():
-    """quant.schemes (the registry every layer reads) depends on errors alone, so reading a scheme never loads a
-    quantizer, a runner or a format; quant/'s modules import quantgate's lower layers, never a verb module."""
+    """quant.schemes (the registry every layer reads) depends on errors and two leaf modules of plain values (the
+    llama.cpp type names, the parsers of sizes and decode floors) that depend on errors alone, so reading a scheme
+    never loads a quantizer, a runner or a format; quant/'s modules import quantgate's lower layers, never a verb
+    module."""
     verbs = {"quantgate.cli", "quantgate.evaluate", "quantgate.generate", "quantgate.analyze", "quantgate.report",
              "quantgate.demo", "quantgate.train", "quantgate.info", "quantgate.attribution"}
+    leaves = {"quantgate.quant.gguf_types", "quantgate.quant.targets"}
     assert {t for t, _top, _n in _imports("quantgate.quant.schemes") if t.startswith("quantgate")} <= {
-        "quantgate.errors"}
+        "quantgate.errors", *leaves}
+    for leaf in leaves:
+        assert {t for t, _top, _n in _imports(leaf) if t.startswith("quantgate")} <= {"quantgate.errors", *leaves}
     up = sorted(f"{m} imports {t}" for m in MODULES if m.startswith("quantgate.quant")
                 for t, _top, _n in _imports(m) if t in verbs or t.startswith("quantgate.report"))
     assert up == [], up

@@ -48,8 +48,8 @@ from ..progress import track
 from ..reference import cache_dir
 from ..runners.open import fixed_ctx, open_runner
 from .decode_cost import DecodeCost, measure_decode_cost
-from .llama_cpp import importance_matrix, run_quantizer
-from .schemes import ggml_type
+from .llama_cpp import exact_overrides as overrides, importance_matrix, run_quantizer
+from .proxy import ROWS, proxy_deltas, weight_errors
 from .targets import DecodeFloor
 
 CANDIDATES = ("Q2_K", "Q3_K", "IQ4_XS", "Q4_K", "Q5_K", "Q6_K", "Q8_0")  # types llama.cpp's own mixtures use
@@ -102,11 +102,6 @@ def units_of(path: str | Path) -> list[Unit]:
 KEPT_FLOAT = ("ffn_gate_inp.weight", "ssm_conv1d.weight")
 
 
-def overrides(assign: dict[str, str]) -> list:
-    """One exact-name override per unit (llama.cpp searches each pattern in the tensor's name)."""
-    return [[f"^{re.escape(n)}$", ggml_type(t)] for n, t in assign.items()]
-
-
 @dataclass
 class Sensitivity:
     """Per unit and type, the increase over every unit at BASE: measured KLD (`kind` "measured": base_kld, the
@@ -131,7 +126,6 @@ def proxy_sensitivity(src: Path, units: list[Unit], im: dict | None = None, rows
                       seed: int = 0) -> Sensitivity:
     """The weight-error proxy (quant.proxy) as a Sensitivity; units llama.cpp would leave in float are dropped as
     the measured path drops them (a tensor whose rows its types do not take)."""
-    from .proxy import ROWS, proxy_deltas, weight_errors
     rows = rows or ROWS
     delta = proxy_deltas(weight_errors(src, units, im, rows, seed), BASE)
     return Sensitivity(0.0, delta, rows, 0, "weights" + (" + importance matrix" if im is not None else ""), "proxy")
@@ -147,9 +141,7 @@ def measure_sensitivity(src: str | Path, units: list[Unit], calib_data: str = "e
     tok = tokenizer_from_gguf(open_reader(src))
     check_ctx(ctx, inspect_gguf(src).context_length, src)
     windows = calibration_windows(tok, calib_data, n_windows, ctx, seed)
-    k = key("sensitivity", content_id(src), code_id(), BASE, [(u.name, u.candidates()) for u in units],
-            hashlib.sha256(windows.tobytes()).hexdigest(), _im_digest(im))
-    cached = cache_dir() / f"sens-{k}.json"
+    cached = sensitivity_cache(src, units, windows, im)
     if cached.is_file():
         d = json.loads(cached.read_text())
         return Sensitivity(d["base_kld"], d["delta"], d["windows"], d["ctx"], d["data"])
@@ -180,6 +172,14 @@ def measure_sensitivity(src: str | Path, units: list[Unit], calib_data: str = "e
     sens = Sensitivity(base_kld, delta, len(windows), ctx, calib_data)
     write_json(cached, sens.to_dict())
     return sens
+
+
+def sensitivity_cache(src: Path, units: list[Unit], windows: np.ndarray, im: dict | None) -> Path:
+    """Where the measured sensitivity of `src` on `windows` is cached: keyed by the file's content, the code, the
+    units and their candidates, the windows and the importance matrix."""
+    k = key("sensitivity", content_id(src), code_id(), BASE, [(u.name, u.candidates()) for u in units],
+            hashlib.sha256(windows.tobytes()).hexdigest(), _im_digest(im))
+    return cache_dir() / f"sens-{k}.json"
 
 
 def _im_digest(im: dict | None) -> str | None:

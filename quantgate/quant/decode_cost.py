@@ -36,7 +36,7 @@ from ..progress import stage
 from ..reference import cache_dir
 from ..runners.bench import bench
 from ..runners.open import fixed_ctx, open_runner
-from .llama_cpp import run_quantizer
+from .llama_cpp import exact_overrides as overrides, run_quantizer
 from .targets import DecodeFloor
 
 SPEED = dict(prefill=16, decode=256, rounds=9, kv="f16")  # short rounds: the per-type files are small to decode
@@ -79,7 +79,6 @@ def measure_decode_cost(src: Path, units, base: str, types: tuple[str, ...], ref
     if cached.is_file():
         d = json.loads(cached.read_text())
         return DecodeCost(d["base_s"], d["extra_s_per_element"], d["reference_s"], d["threads"], d["measured_s"])
-    from .allocate import overrides  # the allocator's exact-name overrides (allocate imports this module)
     files: dict[str, tuple[Path, dict[str, str]]] = {}
     paths: list[Path] = []
     try:

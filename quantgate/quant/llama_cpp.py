@@ -15,6 +15,7 @@ The output is written to a temporary file and renamed.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -45,6 +46,11 @@ GATE_PATTERN = r"attn_q\.weight"
 # keep them high (ssm_conv1d llama.cpp never quantizes).
 HYBRID_GATE_PATTERN = r"attn_(q|gate)\.weight"
 HYBRID_KEPT = [[r"ssm_(alpha|beta)\.weight", "Q8_0"]]
+
+
+def exact_overrides(assign: dict[str, str]) -> list:
+    """One exact-name override per unit (llama.cpp searches each pattern in the tensor's name)."""
+    return [[f"^{re.escape(n)}$", ggml_type(t)] for n, t in assign.items()]
 
 
 def run_quantizer(src: Path, dst: Path, qtype: str, overrides: list, im: dict | None = None,

@@ -183,12 +183,8 @@ class OnnxScheme:
 
 # --- llama.cpp (its own quantizer on an F32/F16 GGUF; KV-cache types are chosen at run time) -------------
 
-# The llama.cpp file types quantgate offers, in gguf-py's own enum (llama_ftype), not a hand copy.
-GGUF_FILE_TYPES = ("F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_0", "IQ4_NL",
-                   "IQ4_XS", "Q3_K_M", "Q3_K_S", "Q3_K_L", "IQ3_S", "IQ3_XXS", "Q2_K")
-GGUF_KV_TYPES = ("f32", "f16", "q8_0", "q4_0")  # llama.cpp KV-cache types quantgate runs (ggml_type)
-NEEDS_IMATRIX = ("IQ3_XXS",)  # llama.cpp refuses these without an importance matrix
-NO_GATE_OVERRIDE = ("F16", "BF16", "Q8_0")  # already 8 bits or more: nothing to keep
+from .gguf_types import GGUF_FILE_TYPES, GGUF_KV_TYPES, NEEDS_IMATRIX, NO_GATE_OVERRIDE  # noqa: F401  (re-exported)
+from .targets import parse_floor, parse_size
 
 
 # gguf-py is imported where its enums are read, not with the registry: the CLI reads the registry for its
@@ -273,7 +269,6 @@ class GgufBudget:
 
 
 def _floor_words(text: str) -> str:
-    from .targets import parse_floor  # it reads this registry's type names
     return str(parse_floor(text))
 
 
@@ -283,7 +278,6 @@ BUDGET_NAME = re.compile(r"auto@([0-9]+(?:\.[0-9]+)?)([KMGT]i?B)?((?:\+imatrix|\
 def gguf_budget(name: str) -> GgufBudget | None:
     """`auto@BPW` or `auto@SIZE` (2.6GB, 900MB) with `+imatrix`, `+held`, `+floor=SPEED` as its config; None for any
     other name; one line for a budget or floor out of range."""
-    from .targets import parse_floor, parse_size
     m = BUDGET_NAME.fullmatch(name)
     if m is None:
         return None

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import QuantgateError
-from .schemes import GGUF_FILE_TYPES
+from .gguf_types import GGUF_FILE_TYPES
 
 
 def parse_size(text: str, what: str = "--target-size") -> int:
