@@ -323,6 +323,11 @@ def plot(result: dict) -> None:
                             yerr=_err(r[arm] for r in rows), fmt=fmt, color=color, ms=4,
                             label=f"allocator{' gates held' if arm == 'gates_held' else ''}"
                                   f"{' + imatrix' if var == 'imatrix' else ''}")
+            fl = [r["floored"] for r in rows if "floored" in r and "unreachable" not in r["floored"]]
+            if fl:
+                ax.errorbar([f["bits_per_weight"] for f in fl], [f["kld_mean"] for f in fl], yerr=_err(fl), fmt="x",
+                            color=color, ms=6, label="allocator, decode >= the standard type's"
+                                                     f"{' + imatrix' if var == 'imatrix' else ''}")
         ax.set_yscale("log")
         ax.set_xlabel("bits per weight")
         ax.set_title(f"{arch}: {tw['twin']}", fontsize=9)
@@ -363,6 +368,8 @@ def main() -> None:
         path.write_text(json.dumps(result, indent=1) + "\n")
     elif not args.tables_only:
         recipe = [*RECIPES[args.arch], "--steps", args.steps]
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip()  # at the start: the code that runs
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="quantgate-allocator-") as tmp:
             work = Path(tmp)
@@ -372,8 +379,6 @@ def main() -> None:
             cache = run.parent / f"{run.name}-cache" if args.keep_run else work / "cache"  # a rerun reuses it
             twins = [run_twin(work, name, run / name, cache, tuple(args.variants.split(",")), not args.no_floor)
                      for name in ("baseline", "gated")]
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
         result["archs"][args.arch] = {
             "command": f"python benchmarks/allocator.py --arch {args.arch} --steps {args.steps} --variants "
                        f"{args.variants}{' --no-floor' if args.no_floor else ''}", "commit": commit,
