@@ -330,3 +330,40 @@ def test_quantize_with_the_proxy_writes_a_file_within_the_budget(f32_gguf, tmp_p
     assert fields["quantgate.allocation.sensitivity"].contents() == "proxy"
     assert "quantgate.allocation.predicted_kld" not in fields
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").glob("sens-*"))  # nothing measured
+
+
+@pytest.fixture(scope="module")
+def gated_f32_gguf(tmp_path_factory):
+    """A gated model's GGUF: it carries tensors llama.cpp's quantizer keeps in float whatever it is asked."""
+    from quantgate.export.gguf import export_checkpoint
+    from quantgate.formats import save_checkpoint
+    from quantgate.model import build_model, preset
+    from quantgate.tokenizer import byte_tokenizer
+    d = tmp_path_factory.mktemp("alloc-gated")
+    save_checkpoint(build_model(preset("tiny", vocab_size=300, n_layers=1, gate="elementwise"), seed=0), d / "m",
+                    byte_tokenizer())
+    export_checkpoint(d / "m", d / "m.gguf", "f32")
+    return d / "m.gguf"
+
+
+@pytest.mark.parametrize("sensitivity", ["proxy", "measured"])
+def test_tensors_llama_cpp_keeps_in_float_count_against_the_budget(gated_f32_gguf, tmp_path, sensitivity):
+    """Tensors llama.cpp leaves in float are no units: the proxy learns them from the file it writes (and writes
+    again), the measured path from its base file; either way their float bytes count, so the file meets the target
+    (it overshot by 0.002 bpw on the medium gated twin before)."""
+    from quantgate.formats import inspect_gguf
+    from quantgate.formats.gguf import open_reader
+    from quantgate.quant.llama_cpp import run_quantizer
+    probe = tmp_path / "q8.gguf"
+    kept = run_quantizer(gated_f32_gguf, probe, "Q8_0", []).tensor_types
+    floats = {n for n, t in kept.items() if t in ("F32", "F16", "BF16")
+              and len(next(x for x in open_reader(gated_f32_gguf).tensors if x.name == n).shape) >= 2}
+    assert floats, "the gated export should carry 2-D tensors llama.cpp keeps in float"
+    probe.unlink()
+    out = tmp_path / "auto.gguf"
+    r = run_cli("quantize", gated_f32_gguf, "--target-bpw", "5.5", "--sensitivity", sensitivity, "--calib-windows",
+                "2", "--ctx", "32", "--out", out, "--json", env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads(r.stdout)
+    assert not floats & set(s["types"]) and inspect_gguf(out).bits_per_weight <= 5.5
+    assert s["bits_per_weight"] == pytest.approx(inspect_gguf(out).bits_per_weight, abs=1e-3)

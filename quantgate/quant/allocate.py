@@ -100,6 +100,7 @@ def units_of(path: str | Path) -> list[Unit]:
 # Tensors llama.cpp's quantizer keeps in float whatever it is asked (llama-quant.cpp's name checks: MoE routers, a
 # GDN/Mamba conv kernel). The measured path also learns this from its base file; the proxy path writes one file only.
 KEPT_FLOAT = ("ffn_gate_inp.weight", "ssm_conv1d.weight")
+FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
 @dataclass
@@ -398,12 +399,16 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
     check_output(side, "allocation", (src,))
     tensors = open_reader(src).tensors
     total = sum(int(np.prod([int(d) for d in t.shape])) for t in tensors)
-    names = {u.name for u in units}
     float_bytes = sum(int(t.n_bytes) for t in tensors)
-    other = sum(int(t.n_bytes) for t in tensors if t.name not in names)
     header = (src.stat().st_size - float_bytes + 32 * len(tensors)  # + each tensor's alignment padding, at most
               + _metadata_bytes(units))
-    budget = budget_from(units, total, other, header, target_bpw, target_bytes, float_bytes)
+
+    def budget_for(kept: list[Unit]) -> int:  # what llama.cpp leaves in float keeps its source bytes
+        names = {u.name for u in kept}
+        other = sum(int(t.n_bytes) for t in tensors if t.name not in names)
+        return budget_from(kept, total, other, header, target_bpw, target_bytes, float_bytes)
+
+    budget_for(units)  # a target out of reach is refused before anything is measured
     if sensitivity not in ("auto", "measured", "proxy"):
         raise QuantgateError(f"--sensitivity must be auto, measured or proxy, got {sensitivity!r}")
     if sensitivity == "auto":
@@ -419,32 +424,45 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
         kinds = tuple(sorted({t for u in units for t in u.candidates()}))
         cost = measure_decode_cost(src, units, BASE, kinds, decode_floor.reference, threads, out.parent, im)
         limit = cost.limit_s(decode_floor)
-    plan = allocate(units, sens, budget, None, cost, limit)
-    if hold_gates:
-        plan = allocate(units, sens, budget, held_gates(units, plan), cost, limit)
+
+    def plan_for(kept: list[Unit]) -> Allocation:
+        budget = budget_for(kept)
+        p = allocate(kept, sens, budget, None, cost, limit)
+        return allocate(kept, sens, budget, held_gates(kept, p), cost, limit) if hold_gates else p
+
+    plan = plan_for(units)
     target = f"{target_bpw:g} bpw" if target_bpw is not None else f"{target_bytes} bytes"
     measured = sens.kind == "measured"
-    meta = {f"{META}.target": target, f"{META}.sensitivity": sens.kind, f"{META}.hold_gates": hold_gates,
-            f"{META}.imatrix": imatrix,
-            f"{META}.calibration": (f"{calib_data}: {sens.windows} windows of {sens.ctx} tokens" if measured else
-                                    f"{sens.data}: {sens.windows} sampled rows per tensor"),
-            f"{META}.tensor_types": [f"{n}={t}" for n, t in plan.types.items()]}
-    if measured:
-        meta[f"{META}.predicted_kld"] = float(plan.predicted_kld)
-    if cost is not None:
-        meta[f"{META}.decode_floor"] = f"{decode_floor} ({1 / limit:.4g} tok/s here)"
-        meta[f"{META}.predicted_decode_tps"] = float(1 / plan.predicted_decode_s)
     with atomic_path(out, "gguf") as tmp:
         fd, name = tempfile.mkstemp(prefix=".quantgate-alloc-", suffix=GGUF_SUFFIX, dir=tmp.parent)
         os.close(fd)
         raw = Path(name)  # llama.cpp's file, before the type map joins its metadata
         try:
-            written = run_quantizer(src, raw, BASE, overrides(plan.types), im, threads=threads, shown=out)
-            mismatch = {n: (t, written.tensor_types.get(n)) for n, t in plan.types.items()
-                        if written.tensor_types.get(n) != t}
+            for attempt in range(2):
+                written = run_quantizer(src, raw, BASE, overrides(plan.types), im, threads=threads, shown=out)
+                mismatch = {n: (t, written.tensor_types.get(n)) for n, t in plan.types.items()
+                            if written.tensor_types.get(n) != t}
+                kept_float = {n for n, (_t, w) in mismatch.items() if w in FLOAT_TYPES}
+                if attempt == 0 and mismatch and set(mismatch) == kept_float:
+                    # the proxy path learns here what llama.cpp leaves in float (the measured path learnt it from
+                    # its base file): those tensors keep their source bytes, the rest is planned again and written
+                    units = [u for u in units if u.name not in kept_float]
+                    plan = plan_for(units)
+                    continue
+                break
             if mismatch:
                 raise QuantgateError(f"llama.cpp wrote other types than the allocation asked for: "
                                      f"{list(mismatch.items())[:3]}")
+            meta = {f"{META}.target": target, f"{META}.sensitivity": sens.kind, f"{META}.hold_gates": hold_gates,
+                    f"{META}.imatrix": imatrix,
+                    f"{META}.calibration": (f"{calib_data}: {sens.windows} windows of {sens.ctx} tokens" if measured
+                                            else f"{sens.data}: {sens.windows} sampled rows per tensor"),
+                    f"{META}.tensor_types": [f"{n}={t}" for n, t in plan.types.items()]}
+            if measured:
+                meta[f"{META}.predicted_kld"] = float(plan.predicted_kld)
+            if cost is not None:
+                meta[f"{META}.decode_floor"] = f"{decode_floor} ({1 / limit:.4g} tok/s here)"
+                meta[f"{META}.predicted_decode_tps"] = float(1 / plan.predicted_decode_s)
             copy_with_metadata(raw, tmp, meta)
         finally:
             raw.unlink(missing_ok=True)

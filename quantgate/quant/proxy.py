@@ -11,11 +11,12 @@ on `rows` sampled rows per tensor, scaled to all of them, where quant_t and dequ
 (the code llama.cpp's quantizer runs, called in the llama.cpp worker process) and imp is the importance matrix's
 mean squared input per column (1 everywhere without one). A perturbation dW of a matmul changes its output by
 dW x, whose expected squared norm is that sum; summed over tensors it stands for the KLD's increase when the
-network's Jacobians are alike. Two exceptions are explicit: the token embedding is a lookup, so a token sees one
-row, not the sum of all (its error is the mean over rows); nothing else is rescaled. The proxy is in its own unit
-(squared logit-space error), not KLD: `Sensitivity.kind` says "proxy", and the allocation's predicted KLD is not
-stated. How well it ranks the units is measured against the measured sensitivity by benchmarks/allocator_proxy.py
-(Spearman's rank correlation with a bootstrap interval over units), never assumed.
+network's Jacobians are alike. They are not, and the proxy is weak: on the medium pair its allocations carry
+2.4-3.4x the KLD (predicted from measured deltas) of measured ones, and its rank agreement across tensors at one
+type is near zero (benchmarks/results/allocator_proxy.md). Treating the token embedding as a lookup (one row's
+error, not the sum) was tried first and was far worse (it sent the embedding to Q2_K: 77-1132x), so no tensor is
+rescaled. The proxy is in its own unit (squared output error), not KLD: `Sensitivity.kind` says "proxy", and the
+allocation's predicted KLD is not stated.
 
 Written by hand: no library ranks llama.cpp types per tensor from ggml's own quantization error.
 """
@@ -37,7 +38,6 @@ from ..progress import stage
 from ..llama_worker import PEAK_PREFIX
 
 ROWS = 256  # rows sampled per tensor: the error's relative spread over rows is small (checked by the benchmark)
-LOOKUPS = ("token_embd.weight",)  # tensors read one row per token: their error is a row's, not the sum of rows
 
 
 def weight_errors(src: Path, units, im: dict | None = None, rows: int = ROWS, seed: int = 0) -> dict:
@@ -71,9 +71,5 @@ def _type_info(t: str) -> tuple[int, int, int]:
 
 
 def proxy_deltas(errors: dict, base: str) -> dict[str, dict[str, float]]:
-    """Each unit's error at each type over its error at the base type, lookups as one row's (see the docstring)."""
-    delta = {}
-    for name, e in errors.items():
-        per = e["rows"] if name in LOOKUPS else 1
-        delta[name] = {t: (v - e["err"][base]) / per for t, v in e["err"].items()}
-    return delta
+    """Each unit's error at each type over its error at the base type."""
+    return {name: {t: v - e["err"][base] for t, v in e["err"].items()} for name, e in errors.items()}
