@@ -231,8 +231,12 @@ def write_tables(result: dict) -> None:
                   f"`{e['command']}` at {e['commit']} ({e['seconds'] / 60:.0f} min). Measured: each tensor alone at "
                   f"each type, KLD on {CALIB['windows']} calibration windows of {CALIB['ctx']} tokens (valid split). "
                   "Proxy: importance-weighted weight error (importance 1), 256 sampled rows per tensor, ggml's own "
-                  "quantizers. Spearman's rho with a 95% bootstrap interval over tensors.", "",
-                  "| twin | tensors | rho, all (tensor, type) pairs | rho across tensors at Q4_K | proxy s | measured s |",
+                  "quantizers. Spearman's rho with a 95% bootstrap interval over tensors. The measured sensitivity was "
+                  "read from benchmarks/allocator.py's cache of the same pair (identified by its base KLD, recomputed "
+                  "here), so its seconds are a cache read. The proxy's formula (no rescaling of the embedding) was "
+                  "chosen after a first version that treated the embedding as a lookup was seen to fail on these same "
+                  "twins (77-1132x the measured allocation's KLD): these numbers are the proxy at its best here.", "",
+                  "| twin | tensors | rho, all (tensor, type) pairs | rho across tensors at Q4_K | proxy s | measured s (cached) |",
                   "|---|---|---|---|---|---|"]
         for tw in e["twins"]:
             a, o = tw["all_types"], tw["one_type"]
