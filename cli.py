@@ -388,8 +388,9 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
 @click.option("--decode-floor", default=None, metavar="SPEED",
               help="with --target-bpw/--target-size: the file must decode at least this fast, predicted from each "
                    "type's decode time measured here with --threads: tok/s (40), a llama.cpp type (Q4_K_M: as fast "
-                   "as that file of this model) or a fraction of one (0.95xQ4_K_M); low-bit types such as Q2_K and "
-                   "IQ4_XS decode slower on a CPU than their size suggests")
+                   "as that file of this model) or a fraction of one (0.95xQ4_K_M); types such as IQ4_XS, Q3_K and "
+                   "Q5_K decode slower on a CPU than their size suggests. One file per type is written and timed: "
+                   "seconds for a small model, as long as eight plain quantizations for a large one")
 @click.option("--out", default=None, type=click.Path(), help="output model directory (torch, ONNX) or .gguf file")
 @click.option("--calib-data", default="embedded", show_default=True,
               help="calibration text (the embedded corpus's valid split; never its test split)")
