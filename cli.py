@@ -384,7 +384,8 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
 @click.option("--sensitivity", type=click.Choice(["auto", "measured", "proxy"]), default="auto", show_default=True,
               help="with --target-bpw/--target-size: measured (each tensor's KLD at each type: one quantization and "
                    "run per tensor and type), proxy (each tensor's importance-weighted weight error at each type, "
-                   "from ggml's own quantizers on sampled rows: minutes at 9B), auto (measured up to 100M weights)")
+                   "from ggml's own quantizers on sampled rows: minutes at 9B, but a weak stand-in: its files carried "
+                   "2-3x the KLD of measured ones on the benchmark pair), auto (measured up to 100M weights)")
 @click.option("--decode-floor", default=None, metavar="SPEED",
               help="with --target-bpw/--target-size: the file must decode at least this fast, predicted from each "
                    "type's decode time measured here with --threads: tok/s (40), a llama.cpp type (Q4_K_M: as fast "
