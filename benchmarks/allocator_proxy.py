@@ -274,6 +274,12 @@ def write_tables(result: dict) -> None:
                   f"Allocation / plain: time {s['time_ratio']:.2f}x, peak memory {s['peak_ratio']:.2f}x (goal: <= 2x "
                   f"both). Allocated file: {s.get('allocated_bytes', 0):,} bytes vs Q4_K_M's {s['q4_k_m_bytes']:,}; "
                   f"types: {s.get('allocated_type_counts')}.", ""]
+        for e in result.get("scale_earlier_runs", []):
+            s = e["result"]
+            q, a = s["quantize Q4_K_M"], s["quantize --target-size (proxy)"]
+            lines += [f"An earlier run of the same command at {e['commit']} ({e.get('note', '')}): plain {q['seconds']} s, "
+                      f"{q['peak_rss'] / 1e9:.2f} GB; allocation {a['seconds']} s, {a['peak_rss'] / 1e9:.2f} GB; "
+                      f"time {s['time_ratio']:.2f}x, memory {s['peak_ratio']:.2f}x.", ""]
     (RESULTS / "allocator_proxy.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
@@ -309,6 +315,8 @@ def main() -> None:
         r = part_scale(args.shape, work)
         if work.is_dir() and not any(work.iterdir()):
             work.rmdir()
+        if "scale" in result:  # the run it replaces stays, with its commit (these ratios vary between runs)
+            result.setdefault("scale_earlier_runs", []).insert(0, result["scale"])
         result["scale"] = {"command": f"python benchmarks/allocator_proxy.py --part scale --shape {args.shape}",
                            "commit": commit, "machine": machine, "seconds": round(time.perf_counter() - t0, 1),
                            "result": r}
