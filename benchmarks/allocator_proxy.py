@@ -210,6 +210,7 @@ def part_scale(shape: str, work: Path) -> dict:
             for t in s.get("types", {}).values():
                 counts[t] = counts.get(t, 0) + 1
             res["allocated_type_counts"] = counts
+            res["allocation_phase_seconds"] = s.get("seconds")
         q, a = res["quantize Q4_K_M"], res["quantize --target-size (proxy)"]
         res["time_ratio"] = a["seconds"] / q["seconds"]
         res["peak_ratio"] = a["peak_rss"] / q["peak_rss"]
@@ -273,7 +274,9 @@ def write_tables(result: dict) -> None:
                   f"{a['peak_rss'] / 1e9:.2f} |", "",
                   f"Allocation / plain: time {s['time_ratio']:.2f}x, peak memory {s['peak_ratio']:.2f}x (goal: <= 2x "
                   f"both). Allocated file: {s.get('allocated_bytes', 0):,} bytes vs Q4_K_M's {s['q4_k_m_bytes']:,}; "
-                  f"types: {s.get('allocated_type_counts')}.", ""]
+                  f"types: {s.get('allocated_type_counts')}."
+                  + (f" Allocation phases (s): {s['allocation_phase_seconds']}." if s.get("allocation_phase_seconds")
+                     else " Its phases were not timed in this run."), ""]
         for e in result.get("scale_earlier_runs", []):
             s = e["result"]
             q, a = s["quantize Q4_K_M"], s["quantize --target-size (proxy)"]

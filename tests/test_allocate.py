@@ -325,6 +325,8 @@ def test_quantize_with_the_proxy_writes_a_file_within_the_budget(f32_gguf, tmp_p
     assert r.returncode == 0, r.stderr[-2000:]
     s = json.loads(r.stdout)
     assert s["sensitivity_kind"] == "proxy" and s["predicted_kld"] is None and s["predicted_proxy_error"] > 0
+    assert set(s["seconds"]) >= {"sensitivity", "allocation", "llama.cpp quantizer", "metadata copy"}
+    assert all(v >= 0 for v in s["seconds"].values())
     assert inspect_gguf(out).bits_per_weight <= 6.0 and len(set(s["types"].values())) >= 2
     fields = GGUFReader(out).fields
     assert fields["quantgate.allocation.sensitivity"].contents() == "proxy"

@@ -28,6 +28,7 @@ import json
 import os
 import re
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -413,17 +414,20 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
         raise QuantgateError(f"--sensitivity must be auto, measured or proxy, got {sensitivity!r}")
     if sensitivity == "auto":
         sensitivity = "proxy" if total > PROXY_ABOVE else "measured"
+    clock = _Phases()
     im = _importance(src, calib_data, calib_windows, ctx, seed) if imatrix else None
     if sensitivity == "proxy":
         sens = proxy_sensitivity(src, units, im, seed=seed)
     else:
         sens = measure_sensitivity(src, units, calib_data, calib_windows, ctx, seed, threads, out.parent, im)
     units = [u for u in units if u.name in sens.delta]  # llama.cpp quantizes these
+    clock.lap("sensitivity")
     cost = limit = None
     if decode_floor is not None:
         kinds = tuple(sorted({t for u in units for t in u.candidates()}))
         cost = measure_decode_cost(src, units, BASE, kinds, decode_floor.reference, threads, out.parent, im)
         limit = cost.limit_s(decode_floor)
+        clock.lap("decode_cost")
 
     def plan_for(kept: list[Unit]) -> Allocation:
         budget = budget_for(kept)
@@ -431,6 +435,7 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
         return allocate(kept, sens, budget, held_gates(kept, p), cost, limit) if hold_gates else p
 
     plan = plan_for(units)
+    clock.lap("allocation")
     target = f"{target_bpw:g} bpw" if target_bpw is not None else f"{target_bytes} bytes"
     measured = sens.kind == "measured"
     with atomic_path(out, "gguf") as tmp:
@@ -450,6 +455,7 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
                     plan = plan_for(units)
                     continue
                 break
+            clock.lap("llama.cpp quantizer")
             if mismatch:
                 raise QuantgateError(f"llama.cpp wrote other types than the allocation asked for: "
                                      f"{list(mismatch.items())[:3]}")
@@ -464,6 +470,7 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
                 meta[f"{META}.decode_floor"] = f"{decode_floor} ({1 / limit:.4g} tok/s here)"
                 meta[f"{META}.predicted_decode_tps"] = float(1 / plan.predicted_decode_s)
             copy_with_metadata(raw, tmp, meta)
+            clock.lap("metadata copy")
         finally:
             raw.unlink(missing_ok=True)
     summary = {"src": str(src), "out": str(out), "target_bpw": target_bpw, "target_bytes": target_bytes,
@@ -472,12 +479,24 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
                **({} if measured else {"predicted_proxy_error": plan.predicted_kld}),
                "hold_gates": hold_gates, "imatrix": imatrix,
                "types": plan.types, "gate_types": {n: t for n, t in plan.types.items() if n.endswith(GATE_UNITS)},
-               "sensitivity": sens.to_dict()}
+               "sensitivity": sens.to_dict(), "seconds": clock.seconds}
     if cost is not None:
         summary.update(decode_floor=str(decode_floor), floor_tps=1 / limit,
                        predicted_decode_tps=1 / plan.predicted_decode_s, decode_cost=cost.to_dict())
     write_json(side, summary, kind="allocation")
     return summary
+
+
+class _Phases:
+    """Wall seconds per phase of an allocation (where the time goes at 9B is a measured question)."""
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self._t, 2)
+        self._t = now
 
 
 META = "quantgate.allocation"  # the GGUF metadata keys the allocator adds (stock llama.cpp ignores them)
