@@ -10,10 +10,12 @@
    candidate type) with that unit alone at the candidate, each written by llama.cpp's own quantizer (explicit
    per-tensor overrides) and scored by llama.cpp against the source file's own logits on calibration windows (the
    calibration split, disjoint from evaluation text). delta(u, t) = KLD(file) - KLD(base). Cached by content
-   (the source file, the windows, the candidates, the code).
-3. Allocation: the predicted KLD of an assignment is KLD(base) + sum of its units' deltas (additive, which the
-   benchmark checks against the written file); under a byte budget this is a multiple-choice knapsack, solved by
-   dynamic programming over the budget. Bytes per type are ggml's block sizes.
+   (the source file, the windows, the candidates, the code). For models too large to measure, `--sensitivity
+   proxy` takes each unit's weight error instead (quant.proxy; weaker, as its benchmark shows).
+3. Allocation: the predicted KLD of an assignment is KLD(base) + sum of its units' deltas (additive: an assumption,
+   not checked per file; the gate A/B's 1-2% reversals on the small pair are its error showing); under a byte
+   budget this is a multiple-choice knapsack, solved by dynamic programming over the budget. Bytes per type are
+   ggml's block sizes. A decode floor adds a price on predicted decode time (quant.decode_cost).
 4. The file is written by llama.cpp's quantizer with one override per unit, so stock llama.cpp opens it; the
    chosen type of every tensor goes to the file's metadata (`quantgate.allocation.tensor_types`, with the target and
    the predicted KLD) and to a JSON beside it with the measured sensitivity (`X.gguf.allocation.json`).
@@ -126,8 +128,8 @@ PROXY_ABOVE = 100_000_000  # weights: --sensitivity auto measures below, takes t
 
 def proxy_sensitivity(src: Path, units: list[Unit], im: dict | None = None, rows: int | None = None,
                       seed: int = 0) -> Sensitivity:
-    """The weight-error proxy (quant.proxy) as a Sensitivity; units llama.cpp would leave in float are dropped as
-    the measured path drops them (a tensor whose rows its types do not take)."""
+    """The weight-error proxy (quant.proxy) as a Sensitivity. Unlike the measured path it writes no base file, so
+    it cannot know which units llama.cpp leaves in float: allocate_gguf learns that from the file it writes."""
     rows = rows or ROWS
     delta = proxy_deltas(weight_errors(src, units, im, rows, seed), BASE)
     return Sensitivity(0.0, delta, rows, 0, "weights" + (" + importance matrix" if im is not None else ""), "proxy")

@@ -1,8 +1,9 @@
 """What each llama.cpp type costs in decode time, measured here, for the allocator's decode floor (issue 36).
 
-On a CPU, a type's decode cost is not its bytes: a Q2_K or IQ4_XS row takes more work to dequantize than a Q8_0
-row, so a file that spends fewer bits on most tensors can decode slower than a bigger one (measured: allocated
-files 0.62-0.94x the tok/s of llama.cpp's standard type at the same size, benchmarks/results/allocator.md). The
+On a CPU, a type's decode cost is not its bytes: measured here, IQ4_XS, Q3_K and Q5_K files decode slower than
+Q8_0 ones while Q2_K and Q4_K decode faster, so a file that spends fewer bits on most tensors can decode slower
+than a bigger one (allocated files without a floor: 0.71-0.94x the tok/s of llama.cpp's standard type at the same
+size, benchmarks/results/allocator.md). The
 allocator therefore needs a speed model, and only a measured one is worth anything:
 
 1. one file per candidate type, every unit that takes the type at it and the others at the base type, plus the
