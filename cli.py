@@ -374,9 +374,12 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
 @click.option("--target-bpw", type=click.FloatRange(1.0, 32.0), default=None,
               help="llama.cpp: choose each tensor's type (Q2_K ... Q8_0) to minimise the KLD measured per tensor "
                    "on --calib-windows windows of --ctx tokens (one llama.cpp quantization and run per tensor and "
-                   "type: fewer windows are quicker), the file at most this many bits per weight (instead of --type)")
+                   "type: fewer windows are quicker), the file at most this many bits per weight (instead of --type); "
+                   "onnxruntime: the same for each MatMul's MatMulNBits bits (4, 8) and block size (32, 64, 128), "
+                   "4.25 to 9 bits per weight")
 @click.option("--target-size", default=None, metavar="SIZE",
-              help="llama.cpp: as --target-bpw, with the tensors at most SIZE (e.g. 2.6GB, 900MB, 123456789)")
+              help="as --target-bpw, with the tensors (GGUF) or the ONNX folder at most SIZE (e.g. 2.6GB, 900MB, "
+                   "123456789)")
 @click.option("--hold-gates", is_flag=True,
               help="with --target-bpw/--target-size: the gate tensors (attn_q, a hybrid's attn_gate, ssm_alpha, "
                    "ssm_beta, ssm_out) take the allocation's base type instead of what their measured KLD earns (the "
@@ -427,11 +430,23 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
         if given and target_bpw is None and target_size is None:
             raise QuantgateError(f"{flag} applies to an allocation: add --target-bpw or --target-size")
     if target_bpw is not None or target_size is not None:
-        if backend != "llama.cpp" or qtype or scheme or gate_bits:
-            raise QuantgateError("--target-bpw/--target-size choose llama.cpp types per tensor for a .gguf; they "
-                                 "replace --type, --scheme and --gate-bits")
-        from quantgate.quant.allocate import allocate_gguf
+        if backend not in ("llama.cpp", "onnxruntime") or qtype or scheme or gate_bits:
+            raise QuantgateError("--target-bpw/--target-size choose llama.cpp types per tensor for a .gguf, or "
+                                 "MatMulNBits bits and block size per node for an ONNX export; they replace --type, "
+                                 "--scheme and --gate-bits")
         from quantgate.quant.targets import parse_floor, parse_size
+        if backend == "onnxruntime":
+            for flag, given in (("--decode-floor", decode_floor), ("--sensitivity proxy", sensitivity == "proxy"),
+                                ("--imatrix", imatrix)):
+                if given:
+                    raise QuantgateError(f"{flag} applies to a GGUF allocation; an ONNX allocation measures each "
+                                         f"node's KLD")
+            from quantgate.quant.allocate_onnx import allocate_onnx
+            summary = allocate_onnx(model, out, target_bpw, parse_size(target_size) if target_size else None,
+                                    calib_data, calib_windows, ctx, seed, threads, hold_gates)
+            _emit(summary if as_json else {k: v for k, v in summary.items() if k != "sensitivity"}, as_json)
+            return
+        from quantgate.quant.allocate import allocate_gguf
         floor = parse_floor(decode_floor) if decode_floor else None
         summary = allocate_gguf(model, out, target_bpw, parse_size(target_size) if target_size else None, calib_data,
                                 calib_windows, ctx, seed, threads, hold_gates, imatrix == "auto", floor, sensitivity)

@@ -44,8 +44,8 @@ def _reference(src, scheme: str, block: int = 32):
 
 def _bits_of(graph, scheme: str):
     gates, kept = set(gate_matmuls(graph)), set(kept_float_matmuls(graph))
-    return lambda n: None if n in kept else 8 if scheme == "int8-weight" or (scheme == "int4+gate8" and n in gates) \
-        else 4
+    return lambda n: None if n in kept else (8 if scheme == "int8-weight" or (scheme == "int4+gate8" and n in gates)
+                                             else 4, 32)
 
 
 def _summary(model, base):
@@ -79,7 +79,7 @@ def test_one_matmul_at_a_time_equals_onnxruntimes_quantizer(tmp_path, fp32_expor
     src = fp32 / "model.onnx"
     (tmp_path / "q").mkdir()
     graph = onnx.load(str(src), load_external_data=False)
-    counts = weight_only.quantize_weight_only(src, tmp_path / "q" / "model.onnx", _bits_of(graph, scheme), 32)
+    counts = weight_only.quantize_weight_only(src, tmp_path / "q" / "model.onnx", _bits_of(graph, scheme))
     ours = onnx.load(str(tmp_path / "q" / "model.onnx"))
     ref_nodes, ref_inits = _summary(_reference(src, scheme), tmp_path)
     our_nodes, our_inits = _summary(ours, tmp_path / "q")
@@ -111,7 +111,7 @@ def test_external_data_in_and_out_and_every_weight_mapped_not_copied(tmp_path, m
     monkeypatch.setattr(weight_only, "INLINE_LIMIT", 0)
     (tmp_path / "q").mkdir()
     graph = onnx.load(str(src), load_external_data=False)
-    weight_only.quantize_weight_only(src, tmp_path / "q" / "model.onnx", _bits_of(graph, "int4"), 32)
+    weight_only.quantize_weight_only(src, tmp_path / "q" / "model.onnx", _bits_of(graph, "int4"))
     assert (tmp_path / "q" / EXTERNAL_DATA).is_file()
     # every weight reached ORT's kernel mapped from a file (the export's data, or the untied head's scratch file),
     # never as an in-memory copy; the scratch file is gone

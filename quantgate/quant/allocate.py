@@ -82,6 +82,9 @@ class Unit:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType[t]]
         return self.n_elements // block * size
 
+    def bits(self, t: str) -> float:
+        return _bits(t)
+
 
 def _block(t: str) -> int:
     return GGML_QUANT_SIZES[GGMLQuantizationType[t]][0]
@@ -117,9 +120,10 @@ class Sensitivity:
     ctx: int
     data: str
     kind: str = "measured"
+    base: str = BASE  # the type every other unit holds (an ONNX allocation's: quant.allocate_onnx.BASE)
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "base_type": BASE, "base_kld": self.base_kld, "delta": self.delta,
+        return {"kind": self.kind, "base_type": self.base, "base_kld": self.base_kld, "delta": self.delta,
                 "windows": self.windows, "ctx": self.ctx, "data": self.data}
 
 
@@ -127,11 +131,11 @@ PROXY_ABOVE = 100_000_000  # weights: --sensitivity auto measures below, takes t
 
 
 def proxy_sensitivity(src: Path, units: list[Unit], im: dict | None = None, rows: int | None = None,
-                      seed: int = 0) -> Sensitivity:
+                      seed: int = 0, threads: int | None = None) -> Sensitivity:
     """The weight-error proxy (quant.proxy) as a Sensitivity. Unlike the measured path it writes no base file, so
     it cannot know which units llama.cpp leaves in float: allocate_gguf learns that from the file it writes."""
     rows = rows or ROWS
-    delta = proxy_deltas(weight_errors(src, units, im, rows, seed), BASE)
+    delta = proxy_deltas(weight_errors(src, units, im, rows, seed, threads), BASE)
     return Sensitivity(0.0, delta, rows, 0, "weights" + (" + importance matrix" if im is not None else ""), "proxy")
 
 
@@ -335,13 +339,17 @@ def _plan(types: dict[str, str], units: list[Unit], sens: Sensitivity, budget_by
 
 def held_gates(units: list[Unit], free: Allocation) -> dict[str, str]:
     """The gate A/B's held arm: every gate unit at the type the free allocation gave most of the other units'
-    bytes (the allocation's base type), or the nearest type its rows take."""
+    weights (the allocation's base type), or the type nearest it in bits that the unit takes. Units of either
+    format (GGUF tensors, ONNX nodes: quant.allocate_onnx) say their own bits per weight."""
     weight: dict[str, int] = {}
     for u in units:
         if not u.is_gate:
             weight[free.types[u.name]] = weight.get(free.types[u.name], 0) + u.n_elements
-    base = max(weight, key=weight.get) if weight else BASE
-    return {u.name: min(u.candidates(), key=lambda t: abs(_bits(t) - _bits(base))) for u in units if u.is_gate}
+    if not weight:
+        return {u.name: free.types[u.name] for u in units}
+    base = max(weight, key=weight.get)
+    ref = next(u for u in units if free.types[u.name] == base and not u.is_gate).bits(base)
+    return {u.name: min(u.candidates(), key=lambda t: abs(u.bits(t) - ref)) for u in units if u.is_gate}
 
 
 def _bits(t: str) -> float:
@@ -419,7 +427,7 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
     clock = _Phases()
     im = _importance(src, calib_data, calib_windows, ctx, seed) if imatrix else None
     if sensitivity == "proxy":
-        sens = proxy_sensitivity(src, units, im, seed=seed)
+        sens = proxy_sensitivity(src, units, im, seed=seed, threads=threads)
     else:
         sens = measure_sensitivity(src, units, calib_data, calib_windows, ctx, seed, threads, out.parent, im)
     units = [u for u in units if u.name in sens.delta]  # llama.cpp quantizes these

@@ -230,8 +230,9 @@ def _run(path: Path, out_dir: Path, s: OnnxScheme, gates: list[str], kept: list[
         try:
             if s.tool == "nbits":  # one MatMul at a time (ort_weight_only), ORT's kernels
                 skip, kept_at = set(kept), {n: s.keep.bits for n in gates} if s.keep else {}
-                quantize_weight_only(path, dst, lambda n: None if n in skip else kept_at.get(n, s.weight_bits),
-                                     s.block_size, embed_bits=s.weight_bits)
+                quantize_weight_only(path, dst, lambda n: None if n in skip else (kept_at.get(n, s.weight_bits),
+                                                                                   s.block_size),
+                                     embed=(s.weight_bits, s.block_size))
             else:
                 _whole_graph(path, dst, Path(work), s, kept, windows)
         except (QuantgateError, OSError):
@@ -240,12 +241,15 @@ def _run(path: Path, out_dir: Path, s: OnnxScheme, gates: list[str], kept: list[
             msg = (str(e).strip().splitlines() or [""])[0][:160]
             raise QuantgateError(f"onnxruntime.quantization could not quantize {path} ({s.base}): "
                                  f"{type(e).__name__}: {msg}") from None
-        for f in SIDE_FILES:
-            if (model_dir / f).is_file():
-                shutil.copy2(model_dir / f, tmp / f)
-        meta = {**meta, "quantization": {"scheme": s.base, "gate_bits": s.keep.bits if s.keep else None,
-                                         "block_size": s.block_size,
-                                         "calibration_windows": 0 if windows is None else len(windows),
-                                         "source": str(path)}}
-        (tmp / "quantgate.json").write_text(json.dumps(meta, indent=2) + "\n")
+        side_files(model_dir, tmp, {**meta, "quantization": {
+            "scheme": s.base, "gate_bits": s.keep.bits if s.keep else None, "block_size": s.block_size,
+            "calibration_windows": 0 if windows is None else len(windows), "source": str(path)}})
         check_written(tmp, out_dir)
+
+
+def side_files(model_dir: Path, folder: Path, meta: dict) -> None:
+    """Beside a quantized graph: the export's config and tokenizer files, and its quantgate.json with `meta`."""
+    for f in SIDE_FILES:
+        if (model_dir / f).is_file():
+            shutil.copy2(model_dir / f, folder / f)
+    (folder / "quantgate.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -67,13 +67,17 @@ def _matmul_nbits(node, b_name: str, w: np.ndarray, quantizer, writer: "DataWrit
     return qnode, protos
 
 
-def quantize_weight_only(src: Path, dst: Path, bits_of: Callable[[str], int | None], block_size: int,
-                         embed_bits: int | None = None) -> dict:
+Spec = tuple[int, int]  # (bits, block_size) of one MatMulNBits node: 4 or 8 bits, blocks of 16 to 256 along K
+
+
+def quantize_weight_only(src: Path, dst: Path, spec_of: Callable[[str], Spec | None],
+                         embed: Spec | None = None) -> dict:
     """Write dst (model.onnx and model.onnx.data, in a fresh folder) from the export at src: every MatMul with a
-    weight for which bits_of(node name) gives 4 or 8 becomes ORT's MatMulNBits (symmetric, accuracy_level 4, as
-    onnx_quantize's recipes); None leaves it float. embed_bits (4 or 8): the embedding table's Gather becomes
-    GatherBlockQuantized over the same blocks (quantize_embedding), and a tied head at those bits reads that one
-    table. Returns counts of the MatMuls by bits."""
+    weight for which spec_of(node name) gives (bits, block size) becomes ORT's MatMulNBits at those (symmetric,
+    accuracy_level 4, as the ort recipes); None leaves it float. A recipe gives every node one spec; the allocator
+    (quant.allocate_onnx) gives each its own. embed: the embedding table's Gather becomes GatherBlockQuantized at
+    that spec (quantize_embedding), and a tied head given the same spec reads that one table. Returns counts of
+    the MatMuls by bits."""
     import onnx
     from onnx import numpy_helper
 
@@ -81,7 +85,7 @@ def quantize_weight_only(src: Path, dst: Path, bits_of: Callable[[str], int | No
     model = onnx.load(str(src), load_external_data=False)
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
-    quantizers = {b: _block_quantizer(b, block_size) for b in (4, 8)}
+    quantizers: dict[Spec, object] = {}
     untie = tied_head(graph, inits)
     writer = DataWriter(dst.parent / EXTERNAL_DATA)
     counts = {4: 0, 8: 0, None: 0}
@@ -92,34 +96,35 @@ def quantize_weight_only(src: Path, dst: Path, bits_of: Callable[[str], int | No
         for node in track(list(graph.node), f"quantizing {src.parent.name}", total=len(graph.node), memory=True):
             if untie and node.op_type == "Transpose" and node.output[0] == untie[1]:
                 continue  # its MatMul reads the untied weight instead
-            if embed_bits and node.op_type == "Gather" and inits.get(node.input[0]) is not None \
+            if embed and node.op_type == "Gather" and inits.get(node.input[0]) is not None \
                     and len(inits[node.input[0]].dims) == 2:
-                qnode, protos, table = quantize_embedding(node, inits[node.input[0]], base, writer, embed_bits,
-                                                          block_size)
+                qnode, protos, table = quantize_embedding(node, inits[node.input[0]], base, writer, *embed)
                 new_nodes.append(qnode)
                 new_inits.extend(protos)
                 continue
             b_name = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
             tied = untie is not None and b_name == untie[1]
-            if tied and table is not None and bits_of(node.name) == embed_bits:  # the head reads the same table
-                counts[embed_bits] += 1
-                new_nodes.extend(shared_head(node, table, embed_bits, block_size, new_inits))
+            if tied and table is not None and spec_of(node.name) == embed:  # the head reads the same table
+                counts[embed[0]] += 1
+                new_nodes.extend(shared_head(node, table, *embed, new_inits))
                 continue
             b = inits.get(b_name) if b_name is not None else None
             if not tied and (b is None or len(b.dims) != 2 or b.data_type != onnx.TensorProto.FLOAT):
                 new_nodes.append(node)  # no constant 2-D fp32 weight: nothing ORT's quantizer would take either
                 continue
-            bits = bits_of(node.name)
-            counts[bits] += 1
+            spec = spec_of(node.name)
+            counts[spec[0] if spec else None] += 1
             if tied:
                 node.input[1] = b_name = UNTIED
             w = _transposed(inits[untie[0]], base, scratch) if tied else _array(b, base)
-            if bits is None:
+            if spec is None:
                 new_nodes.append(node)
                 if tied:
                     new_inits.append(writer.put(numpy_helper.from_array(np.asarray(w), UNTIED)))
             else:
-                qnode, protos = _matmul_nbits(node, b_name, w, quantizers[bits], writer, bits, block_size)
+                if spec not in quantizers:
+                    quantizers[spec] = _block_quantizer(*spec)
+                qnode, protos = _matmul_nbits(node, b_name, w, quantizers[spec], writer, *spec)
                 new_nodes.append(qnode)
                 new_inits.extend(protos)
             del w

@@ -40,10 +40,12 @@ from ..llama_worker import PEAK_PREFIX
 ROWS = 256  # rows sampled per tensor: the error's relative spread over rows is small (checked by the benchmark)
 
 
-def weight_errors(src: Path, units, im: dict | None = None, rows: int = ROWS, seed: int = 0) -> dict:
+def weight_errors(src: Path, units, im: dict | None = None, rows: int = ROWS, seed: int = 0,
+                  threads: int | None = None) -> dict:
     """{unit name: {"err": {type: error}, "sq": squared norm, "rows": n}} for every unit and its candidate types,
-    computed in the llama.cpp worker (a ggml abort ends in one line, not in this process)."""
-    request = {"src": str(src), "rows": rows, "seed": seed,
+    computed in the llama.cpp worker (a ggml abort ends in one line, not in this process) on `threads` threads
+    (default: every core, as llama.cpp's quantizer)."""
+    request = {"src": str(src), "rows": rows, "seed": seed, "threads": threads,
                "units": [[u.name, {t: _type_info(t) for t in u.candidates()}] for u in units]}
     with tempfile.TemporaryDirectory() as work:
         if im is not None:

@@ -1,0 +1,198 @@
+"""The ONNX allocator against ONNX Runtime's uniform weight-only recipes, 4.5 to 8 bits per weight (issue 36).
+
+For the twins of one CPU-trained pair (`--arch attention`: the demo's `small` twins; `--arch medium`; recipes in
+benchmarks/allocator.py, the weights are not committed), in a fresh folder removed afterwards, each twin:
+
+1. the fp32 ONNX export, and ORT's uniform MatMulNBits recipes from it (`quantize --scheme int4|int8-weight
+   --block-size B`): int4 in blocks of 128, 64 and 32, int8 in blocks of 128 and 32 (the embedding table in the
+   same bits and blocks);
+2. `quantize EXPORT --target-bpw B` for B in BUDGETS (each node's KLD measured alone by ONNX Runtime on calibration
+   windows of the valid split), and the gate A/B's held arm (`--hold-gates`) at the same budget;
+3. KLD of every graph against the float twin (PyTorch fp32) on evaluation windows of the test split, mean and p99
+   with the 95% window-bootstrap interval; per budget, the paired ratio allocator / the best uniform recipe at <=
+   the allocator's size, and held / free gates;
+4. prefill and decode tok/s of the allocated graph and that recipe in ONNX Runtime (one thread, alternated rounds,
+   the runners' bench protocol): median per-round ratio and its range.
+
+    python benchmarks/allocator_onnx.py --arch attention [--steps 300] [--keep-run DIR]
+
+Each run replaces its arch's entry in benchmarks/results/allocator_onnx.json, then writes allocator_onnx.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from allocator import CALIB, EVAL, RECIPES, RESULTS, cli, paired_ratio
+
+UNIFORM = {"int4/128": ("int4", 128), "int4/64": ("int4", 64), "int4/32": ("int4", 32),
+           "int8/128": ("int8-weight", 128), "int8/32": ("int8-weight", 32)}
+BUDGETS = (4.5, 5.0, 5.5, 6.5, 8.0)
+SPEED = dict(prefill=128, decode=128, rounds=9, threads=1)
+
+
+def folder_bytes(d: Path) -> int:
+    from quantgate.formats.onnx_io import onnx_bytes
+    return onnx_bytes(d)
+
+
+def evaluate(d: Path, ref: Path, cache: Path) -> dict:
+    out = json.loads(cli("eval", d, "--reference", ref, "--data", EVAL["data"], "--ctx", EVAL["ctx"],
+                         "--max-windows", EVAL["windows"], "--json", env={"QUANTGATE_CACHE": str(cache)}))
+    return {"kld_mean": out["kld_mean"], "kld_mean_ci95": out.get("kld_mean_ci95"), "kld_p99": out["kld_p99"],
+            "kld_p99_ci95": out.get("kld_p99_ci95"), "per_window": out["per_window"]["kld"], "bytes": folder_bytes(d)}
+
+
+def speed_pair(alloc: Path, std: Path) -> dict:
+    from quantgate.runners.bench import bench
+    from quantgate.runners.open import fixed_ctx, open_runner
+    n = SPEED["prefill"] + SPEED["decode"]
+    ids = list(np.random.default_rng(0).integers(3, 200, size=n))
+    a = open_runner(str(alloc), fixed_ctx(n, alloc), threads=SPEED["threads"])
+    s = open_runner(str(std), fixed_ctx(n, std), threads=SPEED["threads"])
+    with a.runner as ra, s.runner as rs:
+        ba, bs = bench([ra, rs], ids[:SPEED["prefill"]], ids[SPEED["prefill"]:], rounds=SPEED["rounds"], warmup=1)
+    out = {}
+    for phase in ("prefill", "decode"):
+        r = np.asarray(bs[f"{phase}_rounds_s"]) / np.asarray(ba[f"{phase}_rounds_s"])
+        out[phase] = {"allocator_tps": ba[f"{phase}_tps"], "standard_tps": bs[f"{phase}_tps"],
+                      "ratio_median": float(np.median(r)), "ratio_range": [float(r.min()), float(r.max())]}
+    return out
+
+
+def run_twin(work: Path, name: str, model: Path, cache: Path) -> dict:
+    import shutil
+    fp32 = work / f"{name}-onnx"
+    cli("export", "onnx", model, "--out", fp32)
+    weights = _weights(fp32)
+    calib = ["--calib-windows", CALIB["windows"], "--ctx", CALIB["ctx"]]
+    env = {"QUANTGATE_CACHE": str(cache)}
+    std = {}
+    for label, (scheme, block) in UNIFORM.items():
+        d = work / f"{name}-{label.replace('/', '-')}"
+        cli("quantize", fp32, "--scheme", scheme, "--block-size", block, "--out", d)
+        std[label] = {"path": d, **evaluate(d, model, cache)}
+        std[label]["bits_per_weight"] = 8 * std[label]["bytes"] / weights
+    rows = []
+    for b in BUDGETS:
+        arms = {}
+        for arm, extra in (("allocator", []), ("gates_held", ["--hold-gates"])):
+            d = work / f"{name}-auto{b}-{arm}"
+            t0 = time.perf_counter()
+            s = json.loads(cli("quantize", fp32, "--target-bpw", b, *calib, *extra, "--out", d, "--json", env=env))
+            arms[arm] = {"path": d, "seconds": round(time.perf_counter() - t0, 1), "bits_per_weight": s["bits_per_weight"],
+                         "types": s["types"], "gate_types": s["gate_types"], "predicted_kld": s["predicted_kld"],
+                         **evaluate(d, model, cache)}
+        a = arms["allocator"]
+        fits = [t for t in UNIFORM if std[t]["bytes"] <= a["bytes"]]
+        best = min(fits, key=lambda t: std[t]["kld_mean"]) if fits else None
+        row = {"budget_bpw": b, "bits_per_weight": a["bits_per_weight"], "file_bits_per_weight": 8 * a["bytes"] / weights,
+               **{arm: {k: v for k, v in d.items() if k not in ("path", "per_window")} for arm, d in arms.items()},
+               "held_vs_free_gates": paired_ratio(arms["gates_held"]["per_window"], a["per_window"]),
+               "best_standard": best}
+        if best:
+            row["allocator_vs_best_standard"] = paired_ratio(a["per_window"], std[best]["per_window"])
+            row["speed_vs_best_standard"] = speed_pair(a["path"], std[best]["path"])
+        rows.append(row)
+        for d in arms.values():
+            shutil.rmtree(d["path"])
+        print(json.dumps({"twin": name, "budget": b, "best_standard": best,
+                          **({"ratio": row["allocator_vs_best_standard"],
+                              "decode": row["speed_vs_best_standard"]["decode"]["ratio_median"]} if best else {}),
+                          "held_vs_free": row["held_vs_free_gates"]}), flush=True)
+    for d in std.values():
+        shutil.rmtree(d["path"])
+    shutil.rmtree(fp32)
+    return {"twin": name, "weights": weights,
+            "standard": {t: {k: v for k, v in d.items() if k not in ("path", "per_window")} for t, d in std.items()},
+            "budgets": rows}
+
+
+def _weights(fp32: Path) -> int:
+    """fp32 initializer elements: the bits-per-weight denominator the allocator's --target-bpw uses."""
+    from quantgate.quant.allocate_onnx import units_of
+    return units_of(fp32 / "model.onnx").total_elements
+
+
+def write_tables(result: dict) -> None:
+    lines = ["# ONNX allocator vs ONNX Runtime's uniform MatMulNBits recipes", ""]
+    for arch, e in result["archs"].items():
+        lines += [f"## {arch} twins", "",
+                  f"`{e['command']}` at {e['commit']} ({e['seconds'] / 60:.0f} min); twins: `{e['train']}`; KLD "
+                  f"against the float twin (PyTorch fp32) on {EVAL['windows']} windows of {EVAL['ctx']} tokens of the "
+                  f"embedded corpus's test split; sensitivity on {CALIB['windows']} calibration windows of "
+                  f"{CALIB['ctx']} tokens (valid split). Bits per weight: the graph's weight bytes (packed blocks, "
+                  f"scales, float norms) over every weight. Ratios: mean KLD, paired window bootstrap, 95% interval. "
+                  f"Speed: ONNX Runtime, {SPEED['threads']} thread, prefill {SPEED['prefill']} then decode "
+                  f"{SPEED['decode']}, median per-round ratio of {SPEED['rounds']} alternated rounds [min, max].", "",
+                  "| twin | budget | bpw | KLD allocator [95%] | KLD p99 [95%] | best uniform <= size | alloc/uniform KLD | "
+                  "decode alloc/uniform | prefill alloc/uniform | gates held/free |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for tw in e["twins"]:
+            for r in tw["budgets"]:
+                a, h = r["allocator"], r["held_vs_free_gates"]
+                ci, p99 = a["kld_mean_ci95"], a["kld_p99_ci95"]
+                if r["best_standard"]:
+                    c, sp = r["allocator_vs_best_standard"], r["speed_vs_best_standard"]
+                    cmp = (f"{r['best_standard']} | {c['ratio']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}] | "
+                           f"{sp['decode']['ratio_median']:.3f} [{sp['decode']['ratio_range'][0]:.2f}, "
+                           f"{sp['decode']['ratio_range'][1]:.2f}] | {sp['prefill']['ratio_median']:.3f} "
+                           f"[{sp['prefill']['ratio_range'][0]:.2f}, {sp['prefill']['ratio_range'][1]:.2f}]")
+                else:
+                    cmp = "none this small | - | - | -"
+                lines.append(f"| {tw['twin']} | {r['budget_bpw']} | {r['bits_per_weight']:.3f} | {a['kld_mean']:.4g} "
+                             f"[{ci[0]:.4g}, {ci[1]:.4g}] | {a['kld_p99']:.4g} [{p99[0]:.4g}, {p99[1]:.4g}] | {cmp} | "
+                             f"{h['ratio']:.3f} [{h['ci95'][0]:.3f}, {h['ci95'][1]:.3f}] |")
+        lines += ["", "The uniform recipes (bits per weight: then mean KLD [95%]):", "",
+                  "| twin | " + " | ".join(UNIFORM) + " |", "|---|" + "---|" * len(UNIFORM)]
+        for tw in e["twins"]:
+            lines.append(f"| {tw['twin']} | " + " | ".join(
+                f"{tw['standard'][t]['bits_per_weight']:.2f}: {tw['standard'][t]['kld_mean']:.4g} "
+                f"[{tw['standard'][t]['kld_mean_ci95'][0]:.4g}, {tw['standard'][t]['kld_mean_ci95'][1]:.4g}]"
+                for t in UNIFORM) + " |")
+        lines.append("")
+    (RESULTS / "allocator_onnx.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", choices=("attention", "medium"), default="attention")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--keep-run", default=None, help="train the twins into this folder once and reuse them")
+    ap.add_argument("--tables-only", action="store_true")
+    args = ap.parse_args()
+    path = RESULTS / "allocator_onnx.json"
+    result = json.loads(path.read_text()) if path.is_file() else {"archs": {}}
+    if not args.tables_only:
+        recipe = [*RECIPES[args.arch], "--steps", args.steps]
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip()
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="quantgate-allocator-onnx-") as tmp:
+            work = Path(tmp)
+            run = Path(args.keep_run) if args.keep_run else work / "run"
+            if not (run / "gated").is_dir():
+                cli("train", *recipe, "--out", run)
+            cache = run.parent / f"{run.name}-cache" if args.keep_run else work / "cache"
+            twins = [run_twin(work, name, run / name, cache) for name in ("baseline", "gated")]
+        result["archs"][args.arch] = {
+            "command": f"python benchmarks/allocator_onnx.py --arch {args.arch} --steps {args.steps}", "commit": commit,
+            "train": "quantgate train " + " ".join(map(str, recipe)),
+            "eval": {**EVAL, "split": "test", "reference": "the float twin (PyTorch, fp32)"},
+            "calibration": {**CALIB, "data": "embedded", "split": "valid"}, "speed": SPEED,
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_at_end": os.getloadavg()},
+            "seconds": round(time.perf_counter() - t0, 1), "twins": twins}
+        path.write_text(json.dumps(result, indent=1) + "\n")
+    write_tables(result)
+
+
+if __name__ == "__main__":
+    main()

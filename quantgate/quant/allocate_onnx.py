@@ -1,0 +1,260 @@
+"""Bits and block size per MatMulNBits node under a size budget, for an fp32 ONNX export (issue 36's ONNX side).
+
+    from quantgate.quant.allocate_onnx import allocate_onnx
+    allocate_onnx("m-onnx/", "m-auto/", target_bpw=5.0)
+
+The GGUF allocator's method (quant.allocate) on ONNX Runtime's weight-only format:
+
+1. Units: every MatMul with a constant 2-D fp32 weight that the int4/int8-weight recipes quantize (a Gated
+   DeltaNet's in_proj_a/in_proj_b stay float, as there), and the embedding table (a tied head reads it: one unit).
+   The gates are units of their own: the fused q|gate projection of each gated attention layer and a GDN's
+   in_proj_z. Options: OPTIONS, MatMulNBits' 4 or 8 bits in blocks of 32, 64 or 128 along K (each block's fp32
+   scale costs 32 bits: int4 in blocks of 32 is 5 bits per weight, int8 in blocks of 128 8.25).
+2. Sensitivity, measured: a base graph with every unit at BASE, then one graph per (unit, option) with that unit
+   alone at the option, each written by ORT's own block quantizer (quant.ort_weight_only) and run by ONNX Runtime
+   on calibration windows against the fp32 export's logits: delta(u, o) = KLD(graph) - KLD(base). Cached by
+   content, as the GGUF sensitivity is. No proxy here yet: at a model whose measurement would take hours, the
+   command says so and stops.
+3. Allocation: quant.allocate's multiple-choice knapsack on the predicted KLD (base + summed deltas).
+4. The graph is written by ort_weight_only with each node's (bits, block size); quantgate.json's quantization
+   names the target and every node's option, and `allocation.json` in the folder holds the sensitivity.
+
+Written by hand: onnxruntime.quantization takes one bits and block size for a whole graph, and no library chooses
+them per node from measured KLD.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..calib_data import calibration_windows, check_ctx, data_paths
+from ..errors import QuantgateError
+from ..formats.onnx import onnx_context
+from ..formats.onnx_io import check_graph, check_written, onnx_bytes, read_meta, resolve_onnx
+from ..fsio import atomic_dir, check_output, write_json
+from ..identity import code_id, content_id, key
+from ..metrics import window_scores
+from ..progress import track
+from ..reference import cache_dir
+from ..runners.open import fixed_ctx, open_runner
+from ..tokenizer import load_tokenizer
+from .allocate import Allocation, Sensitivity, allocate, held_gates
+from .ort import GATE_MATMULS, KEPT_FLOAT, side_files
+from .ort_weight_only import Spec, quantize_weight_only, tied_head
+
+OPTIONS = ("int4/128", "int4/64", "int4/32", "int8/128", "int8/64", "int8/32")  # bits/block of MatMulNBits
+BASE = "int8/32"  # every unit's option while another one is measured
+SCALE_BITS = 32  # an fp32 scale per block (the export is fp32; ORT writes the scales in the weight's dtype)
+MEASURE_ABOVE = 100_000_000  # weights: above this the measured sensitivity would take hours on a laptop's CPU
+
+
+def spec(option: str) -> Spec:
+    """"int4/32" -> (4, 32)."""
+    bits, block = option.removeprefix("int").split("/")
+    return int(bits), int(block)
+
+
+@dataclass(frozen=True)
+class OnnxUnit:
+    """One weight the allocator chooses an option for: a MatMul node (named by the node) or the embedding table
+    (named by its initializer, with the tied head that reads it). k: the input dimension blocks run along."""
+    name: str
+    k: int
+    n: int
+    gate: bool = False
+
+    @property
+    def n_elements(self) -> int:
+        return self.k * self.n
+
+    @property
+    def is_gate(self) -> bool:
+        return self.gate
+
+    def candidates(self) -> tuple[str, ...]:
+        """The options whose blocks divide K (MatMulNBits would pad the last block; a whole one keeps bytes exact)."""
+        return tuple(o for o in OPTIONS if self.k % spec(o)[1] == 0)
+
+    def bytes(self, option: str) -> int:
+        bits, block = spec(option)
+        blocks = self.n * math.ceil(self.k / block)
+        return blocks * (block * bits // 8 + SCALE_BITS // 8)
+
+    def bits(self, option: str) -> float:
+        return 8 * self.bytes(option) / self.n_elements
+
+
+@dataclass(frozen=True)
+class Graph:
+    """What the allocation needs of an export: its units, the tied head's node (it reads the embedding unit's
+    option), every initializer's element count and the float bytes the units replace."""
+    units: list[OnnxUnit]
+    embed: str | None  # the embedding table's unit (its Gather becomes GatherBlockQuantized)
+    head_of: dict[str, str]  # tied head MatMul node -> the embedding unit
+    total_elements: int
+    unit_float_bytes: int
+
+
+def units_of(path: Path) -> Graph:
+    """The units of the fp32 export at `path` (its model.onnx, read without its weights)."""
+    import onnx
+    model = onnx.load(str(path), load_external_data=False)
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    untie = tied_head(g, inits)
+    units: list[OnnxUnit] = []
+    head_of: dict[str, str] = {}
+    embed = None
+    for node in g.node:
+        if node.op_type == "Gather" and node.input[0] in inits and len(inits[node.input[0]].dims) == 2:
+            v, d = (int(x) for x in inits[node.input[0]].dims)
+            embed = node.input[0]
+            units.append(OnnxUnit(embed, d, v))
+        elif node.op_type == "MatMul" and len(node.input) == 2 and not any(k in node.name for k in KEPT_FLOAT):
+            if untie is not None and node.input[1] == untie[1]:
+                head_of[node.name] = untie[0]
+                continue
+            b = inits.get(node.input[1])
+            if b is None or len(b.dims) != 2 or b.data_type != onnx.TensorProto.FLOAT:
+                continue
+            k, n = (int(x) for x in b.dims)
+            units.append(OnnxUnit(node.name, k, n, any(m in node.name for m in GATE_MATMULS)))
+    if not units:
+        raise QuantgateError(f"{path} has no MatMul with a constant fp32 weight: nothing to allocate")
+    total = sum(int(np.prod([int(d) for d in t.dims])) for t in g.initializer if t.data_type == onnx.TensorProto.FLOAT)
+    return Graph(units, embed, head_of, total, 4 * sum(u.n_elements for u in units))
+
+
+def spec_function(graph: Graph, options: dict[str, str]):
+    """(spec_of(node name), the embedding's spec) for ort_weight_only, from an option per unit."""
+    def spec_of(node: str) -> Spec | None:
+        unit = graph.head_of.get(node, node)
+        return spec(options[unit]) if unit in options else None
+    return spec_of, (spec(options[graph.embed]) if graph.embed in options else None)
+
+
+def write_graph(path: Path, model_dir: Path, folder: Path, graph: Graph, options: dict[str, str],
+                meta: dict) -> None:
+    """The export at `path` with each unit at its option, written into `folder` (model.onnx and its side files)."""
+    spec_of, embed = spec_function(graph, options)
+    quantize_weight_only(path, folder / "model.onnx", spec_of, embed)
+    side_files(model_dir, folder, meta)
+
+
+def measure_sensitivity(path: Path, model_dir: Path, graph: Graph, calib_data: str = "embedded", n_windows: int = 8,
+                        ctx: int = 128, seed: int = 0, threads: int | None = None) -> Sensitivity:
+    """Each unit's KLD increase over the base graph when it alone takes each option (module docstring), measured
+    by ONNX Runtime and cached by content."""
+    meta = read_meta(model_dir)
+    tok = load_tokenizer(model_dir, meta.get("bos_id"), meta.get("eos_id"))
+    check_ctx(ctx, onnx_context(model_dir), path)
+    windows = calibration_windows(tok, calib_data, n_windows, ctx, seed)
+    k = key("sensitivity-onnx", content_id(model_dir), code_id(), BASE, [(u.name, u.candidates()) for u in graph.units],
+            hashlib.sha256(windows.tobytes()).hexdigest())
+    cached = cache_dir() / f"sens-onnx-{k}.json"
+    if cached.is_file():
+        d = json.loads(cached.read_text())
+        return Sensitivity(d["base_kld"], d["delta"], d["windows"], d["ctx"], d["data"], base=BASE)
+    ref = _logits(model_dir, windows, threads)
+    base = {u.name: BASE for u in graph.units}
+
+    def kld(options: dict[str, str]) -> float:
+        with tempfile.TemporaryDirectory(prefix="quantgate-sens-onnx-") as work:
+            write_graph(path, model_dir, Path(work), graph, options, {**meta, "quantization": {"scheme": "probe"}})
+            lg = _logits(Path(work), windows, threads)
+        return float(np.mean([window_scores(ref[i], lg[i], windows[i])["kld"].mean() for i in range(len(windows))]))
+
+    base_kld = kld(base)
+    runs = [(u, o) for u in graph.units for o in u.candidates() if o != BASE]
+    delta: dict[str, dict[str, float]] = {u.name: {BASE: 0.0} for u in graph.units}
+    for u, o in track(runs, "sensitivity: one node at a time", total=len(runs)):
+        delta[u.name][o] = kld({**base, u.name: o}) - base_kld
+    sens = Sensitivity(base_kld, delta, len(windows), ctx, calib_data, base=BASE)
+    write_json(cached, sens.to_dict())
+    return sens
+
+
+def _logits(folder: Path, windows: np.ndarray, threads: int | None) -> np.ndarray:
+    with open_runner(str(folder), fixed_ctx(windows.shape[1], folder), threads=threads).runner as r:
+        return r.logits(windows)
+
+
+def budget_bytes(graph: Graph, other_bytes: int, target_bpw: float | None, target_bytes: int | None) -> int:
+    """The units' byte budget for a target in bits per weight (over every fp32 initializer) or in folder bytes
+    (model.onnx and its data); one line naming the reachable range when the target is outside it."""
+    lo = sum(min(u.bytes(o) for o in u.candidates()) for u in graph.units) + other_bytes
+    hi = sum(max(u.bytes(o) for o in u.candidates()) for u in graph.units) + other_bytes
+    if target_bytes is not None:
+        want = target_bytes
+
+        def say(b: int) -> str:
+            return f"{b / 1e9:.3g} GB" if b >= 1e8 else f"{b:,} bytes"
+    else:
+        want = int(target_bpw * graph.total_elements / 8)
+
+        def say(b: int) -> str:
+            return f"{8 * b / graph.total_elements:.2f} bpw"
+    if want < lo:
+        raise QuantgateError(f"target {say(want)} is below the smallest graph the options give ({say(lo)}); "
+                             f"nothing was written")
+    if want >= graph.unit_float_bytes + other_bytes:
+        raise QuantgateError(f"target {say(want)} is not below the fp32 export ({say(graph.unit_float_bytes + other_bytes)})"
+                             f": nothing to allocate; nothing was written")
+    return min(want, hi) - other_bytes
+
+
+def allocate_onnx(src: str | Path, out: str | Path, target_bpw: float | None = None, target_bytes: int | None = None,
+                  calib_data: str = "embedded", calib_windows: int = 8, ctx: int = 128, seed: int = 0,
+                  threads: int | None = None, hold_gates: bool = False) -> dict:
+    """Write the ONNX folder `out` from the fp32 export `src` with each MatMulNBits node's bits and block size
+    chosen under the target (bits per weight over every weight, or folder bytes) to minimise the measured KLD;
+    `hold_gates`: the gate units at the allocation's base option (the A/B's held arm). Returns the summary, also
+    written to `out`/allocation.json."""
+    if (target_bpw is None) == (target_bytes is None):
+        raise QuantgateError("give one target: --target-bpw or --target-size")
+    if target_bpw is not None and not 1.0 <= target_bpw <= 32.0:
+        raise QuantgateError(f"--target-bpw must be between 1 and 32, got {target_bpw}")
+    path, model_dir = resolve_onnx(src)
+    check_graph(path)
+    meta = read_meta(model_dir)
+    if meta.get("quantization"):
+        raise QuantgateError(f"{path} is already quantized ({meta['quantization']['scheme']}); start from the fp32 export")
+    if meta.get("dtype") == "fp16":
+        raise QuantgateError(f"{path} is an fp16 export; allocate from the fp32 export")
+    out = Path(out)
+    check_output(out, "onnx", (model_dir, *data_paths(calib_data)))
+    graph = units_of(path)
+    weights = sum(u.n_elements for u in graph.units)
+    other_weights = 4 * (graph.total_elements - weights)  # norms, float MatMuls: fp32 as exported
+    # in bytes, the rest of the folder counts too (the graph's nodes and names)
+    other = other_weights if target_bytes is None else onnx_bytes(model_dir) - graph.unit_float_bytes
+    budget = budget_bytes(graph, other, target_bpw, target_bytes)
+    if weights > MEASURE_ABOVE:
+        raise QuantgateError(f"{path}: {weights / 1e6:.0f}M weights to measure one node at a time would take hours "
+                             f"here (the ONNX allocator has no proxy yet); use a recipe (--scheme int4) or a GGUF "
+                             f"with --target-bpw")
+    sens = measure_sensitivity(path, model_dir, graph, calib_data, calib_windows, ctx, seed, threads)
+    plan: Allocation = allocate(graph.units, sens, budget)
+    if hold_gates:
+        plan = allocate(graph.units, sens, budget, held_gates(graph.units, plan))
+    target = f"{target_bpw:g} bpw" if target_bpw is not None else f"{target_bytes} bytes"
+    with atomic_dir(out, "onnx") as tmp:
+        write_graph(path, model_dir, tmp, graph, plan.types, {**meta, "quantization": {
+            "scheme": f"auto@{target}", "target": target, "hold_gates": hold_gates, "predicted_kld": plan.predicted_kld,
+            "calibration": f"{calib_data}: {sens.windows} windows of {sens.ctx} tokens", "source": str(path),
+            "options": plan.types}})
+        check_written(tmp, out)
+        size = onnx_bytes(tmp)
+        summary = {"src": str(path), "out": str(out), "target_bpw": target_bpw, "target_bytes": target_bytes,
+                   "bytes": size, "bits_per_weight": round(8 * (plan.unit_bytes + other_weights) / graph.total_elements, 4),
+                   "predicted_kld": plan.predicted_kld, "hold_gates": hold_gates, "types": plan.types,
+                   "gate_types": {u.name: plan.types[u.name] for u in graph.units if u.is_gate},
+                   "sensitivity": sens.to_dict()}
+        write_json(tmp / "allocation.json", summary, kind="allocation")
+    return summary

@@ -1,0 +1,130 @@
+"""The ONNX allocator (quantgate.quant.allocate_onnx): MatMulNBits bits and block size per node under a size budget,
+from per-node KLD measured by ONNX Runtime; the byte model is ORT's own, the written graph holds the planned nodes,
+the gate A/B holds the gates, and bad budgets or GGUF-only flags are one line with nothing written."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from conftest import run_cli, save_tiny_twins
+from quantgate.quant import allocate_onnx as ao
+from quantgate.runners import OrtRunner
+
+W = np.random.default_rng(0).integers(3, 250, size=(2, 48))
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    d = save_tiny_twins(tmp_path_factory.mktemp("onnx-alloc"))
+    r = run_cli("export", "onnx", str(d / "gated"), "--out", str(d / "onnx"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    return d / "onnx"
+
+
+def _nodes(folder):
+    """{unit name: option} read back from the written graph, and each node's stored bytes (packed + scales)."""
+    m = onnx.load(str(folder / "model.onnx"))
+    inits = {t.name: t for t in m.graph.initializer}
+    got, stored = {}, {}
+    for n in m.graph.node:
+        if n.op_type not in ("MatMulNBits", "GatherBlockQuantized"):
+            continue
+        a = {x.name: x.i for x in n.attribute}
+        name = n.name.rsplit("_Q", 1)[0] if n.op_type == "MatMulNBits" else n.input[0].rsplit("_Q", 1)[0]
+        got[name] = f"int{a['bits']}/{a['block_size']}"
+        if n.op_type == "MatMulNBits" and n.input[1] not in inits:
+            continue  # a tied head reading the embedding's table (its bytes are the table's)
+        own = n.input[1:3] if n.op_type == "MatMulNBits" else (n.input[0], n.input[2])
+        stored[name] = sum(numpy_helper.to_array(inits[i]).nbytes for i in own)
+    return got, stored
+
+
+def test_the_byte_model_is_what_ort_writes_for_every_option(export, tmp_path):
+    """Each unit's predicted bytes at each option equal the packed blocks and scales ORT's quantizer wrote, so a
+    budget in bytes is met by the file, not only by the plan."""
+    graph = ao.units_of(export / "model.onnx")
+    assert graph.embed is not None and any(u.is_gate for u in graph.units)
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        options = {u.name: str(rng.choice(u.candidates())) for u in graph.units}
+        folder = tmp_path / f"g{i}"
+        folder.mkdir()
+        ao.write_graph(export / "model.onnx", export, folder, graph, options, {"quantization": {"scheme": "t"}})
+        got, stored = _nodes(folder)
+        matmuls = {u.name for u in graph.units} - {graph.embed}
+        assert {k: v for k, v in got.items() if k in matmuls} == {k: options[k] for k in matmuls}
+        for u in graph.units:
+            if u.name in matmuls:
+                assert stored[u.name] == u.bytes(options[u.name]), (u.name, options[u.name])
+        table = [v for k, v in stored.items() if k not in matmuls]
+        assert table == [graph.units[[u.name for u in graph.units].index(graph.embed)].bytes(options[graph.embed])]
+        with OrtRunner(folder) as r:
+            assert np.isfinite(r.logits(W)).all()
+
+
+def test_quantize_target_bpw_on_an_onnx_export(export, tmp_path):
+    out = tmp_path / "auto"
+    r = run_cli("quantize", str(export), "--target-bpw", "6", "--out", str(out), "--calib-windows", "4", "--ctx", "64",
+                "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads(r.stdout)
+    assert s["bits_per_weight"] <= 6.0 and s["predicted_kld"] > 0
+    got, _ = _nodes(out)
+    assert {k: v for k, v in got.items() if k in s["types"]} == {k: v for k, v in s["types"].items() if k in got}
+    assert len(set(s["types"].values())) > 1  # a budget between the options mixes them
+    sens = s["sensitivity"]["delta"]
+    # measured, not assumed: every unit's deltas exist for its options, and int4 in blocks of 32 costs more KLD than
+    # int8 in blocks of 32 for most units (the base's deltas are 0)
+    units = {u.name: u for u in ao.units_of(export / "model.onnx").units}
+    assert set(sens) == set(units)
+    assert all(d[ao.BASE] == 0.0 and set(d) == set(units[n].candidates()) for n, d in sens.items())
+    assert np.mean([d["int4/32"] > 0 for d in sens.values()]) > 0.7
+    meta = json.loads((out / "quantgate.json").read_text())["quantization"]
+    assert meta["scheme"] == "auto@6 bpw" and meta["options"] == s["types"]
+    assert json.loads((out / "allocation.json").read_text())["types"] == s["types"]
+    with OrtRunner(out) as runner:
+        assert np.isfinite(runner.logits(W)).all()
+    # the held arm: gates at the allocation's base option, the budget still met; and the folder is replaced
+    r = run_cli("quantize", str(export), "--target-bpw", "6", "--hold-gates", "--out", str(out), "--calib-windows", "4",
+                "--ctx", "64", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    held = json.loads(r.stdout)
+    assert held["bits_per_weight"] <= 6.0 and held["gate_types"]
+    weight: dict = {}
+    for name, o in held["types"].items():
+        if name not in held["gate_types"]:
+            weight[o] = weight.get(o, 0) + units[name].n_elements
+    base = max(weight, key=weight.get)
+    for name, o in held["gate_types"].items():
+        u = units[name]
+        assert abs(u.bits(o) - u.bits(base)) == min(abs(u.bits(t) - u.bits(base)) for t in u.candidates())
+    assert held["predicted_kld"] >= s["predicted_kld"] - 1e-12  # the free arm's optimum is the lower bound
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--target-bpw", "3"], "below the smallest graph"),
+    (["--target-size", "10MB"], "not below the fp32 export"),
+    (["--target-bpw", "5", "--decode-floor", "40"], "--decode-floor applies to a GGUF allocation"),
+    (["--target-bpw", "5", "--sensitivity", "proxy"], "--sensitivity proxy applies to a GGUF allocation"),
+    (["--target-bpw", "5", "--scheme", "int4"], "replace --type, --scheme"),
+])
+def test_bad_onnx_budgets_are_one_line_and_write_nothing(export, tmp_path, args, needle):
+    out = tmp_path / "x"
+    r = run_cli("quantize", str(export), *args, "--out", str(out), "--calib-windows", "2", "--ctx", "32")
+    _refused(r, needle)
+    assert not out.exists() and not list(tmp_path.glob(".x*"))
+
+
+def test_a_quantized_export_is_refused(export, tmp_path):
+    q = tmp_path / "int4"
+    assert run_cli("quantize", str(export), "--scheme", "int4", "--out", str(q)).returncode == 0
+    _refused(run_cli("quantize", str(q), "--target-bpw", "6", "--out", str(tmp_path / "y")), "already quantized")
+
+
+def _refused(r, needle: str) -> None:
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
