@@ -395,6 +395,12 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
                    "as that file of this model) or a fraction of one (0.95xQ4_K_M); types such as IQ4_XS, Q3_K and "
                    "Q5_K decode slower on a CPU than their size suggests. One file per type is written and timed: "
                    "seconds for a small model, as long as eight plain quantizations for a large one")
+@click.option("--types", "alloc_types", default=None, metavar="LIST",
+              help="with --target-bpw/--target-size on a GGUF: the llama.cpp types the allocation may use, comma-"
+                   "separated (default: Q2_K,Q3_K,IQ4_XS,Q4_K,Q5_K,Q6_K,Q8_0, and Q4_0,Q5_0,IQ4_NL for rows not a "
+                   "multiple of 256; Q8_0 is always allowed). E.g. leave out IQ4_XS: llama.cpp quantizes it about 3x "
+                   "slower than Q4_K (most of a 9B allocation's time when it is chosen) and some runtimes lack fast "
+                   "kernels for it")
 @click.option("--out", default=None, type=click.Path(), help="output model directory (torch, ONNX) or .gguf file")
 @click.option("--calib-data", default="embedded", show_default=True,
               help="calibration text (the embedded corpus's valid split; never its test split)")
@@ -407,7 +413,8 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
               help="torch: run the model one decoder block at a time and write the output as it goes (what a model "
                    "too large for memory gets anyway); the same file, one block's weights resident")
 def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, imatrix, gate_bits, target_bpw,
-             target_size, hold_gates, sensitivity, decode_floor, out, calib_data, calib_windows, ctx, seed, threads, layerwise):
+             target_size, hold_gates, sensitivity, decode_floor, alloc_types, out, calib_data, calib_windows, ctx, seed,
+             threads, layerwise):
     """Quantize MODEL: a model directory under a named PyTorch scheme (writes a loadable checkpoint that
     records the scheme), a .gguf with llama.cpp's own quantizer (--type), or an ONNX export with
     onnxruntime.quantization (--scheme int8-dynamic|int8-static|int8-weight|int4). Every scheme is a row of
@@ -426,7 +433,7 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
     if backend == "auto":
         backend = {"gguf": "llama.cpp", "onnx": "onnxruntime", "hf": "torch"}[artifact_kind(model)]
     for flag, given in (("--hold-gates", hold_gates), ("--decode-floor", decode_floor),
-                        ("--sensitivity", sensitivity != "auto")):
+                        ("--sensitivity", sensitivity != "auto"), ("--types", alloc_types)):
         if given and target_bpw is None and target_size is None:
             raise QuantgateError(f"{flag} applies to an allocation: add --target-bpw or --target-size")
     if target_bpw is not None or target_size is not None:
@@ -437,7 +444,7 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
         from quantgate.quant.targets import parse_floor, parse_size
         if backend == "onnxruntime":
             for flag, given in (("--decode-floor", decode_floor), ("--sensitivity proxy", sensitivity == "proxy"),
-                                ("--imatrix", imatrix)):
+                                ("--imatrix", imatrix), ("--types", alloc_types)):
                 if given:
                     raise QuantgateError(f"{flag} applies to a GGUF allocation; an ONNX allocation measures each "
                                          f"node's KLD")
@@ -446,10 +453,11 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
                                     calib_data, calib_windows, ctx, seed, threads, hold_gates)
             _emit(summary if as_json else {k: v for k, v in summary.items() if k != "sensitivity"}, as_json)
             return
-        from quantgate.quant.allocate import allocate_gguf
+        from quantgate.quant.allocate import allocate_gguf, parse_types
         floor = parse_floor(decode_floor) if decode_floor else None
         summary = allocate_gguf(model, out, target_bpw, parse_size(target_size) if target_size else None, calib_data,
-                                calib_windows, ctx, seed, threads, hold_gates, imatrix == "auto", floor, sensitivity)
+                                calib_windows, ctx, seed, threads, hold_gates, imatrix == "auto", floor, sensitivity,
+                                parse_types(alloc_types))
         _emit(summary if as_json else {k: v for k, v in summary.items() if k not in ("sensitivity", "decode_cost")},
               as_json)
         return

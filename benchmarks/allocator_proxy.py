@@ -198,25 +198,62 @@ def part_scale(shape: str, work: Path) -> dict:
         size = plain.stat().st_size
         res["q4_k_m_bytes"] = size
         plain.unlink()
-        alloc = d / "auto.gguf"
-        r = scale.measured(scale.qg("quantize", str(f16), "--target-size", str(size), "--sensitivity", "proxy",
-                                    "--out", str(alloc), "--json"))
-        res["quantize --target-size (proxy)"] = _brief(r)
-        if r["rc"] == 0:
-            s = json.loads(Path(str(alloc) + ".allocation.json").read_text())  # stdout's tail is cut at 3000 chars
-            res["allocated_bytes"] = alloc.stat().st_size
-            res["allocated_bits_per_weight"] = s.get("bits_per_weight")
-            counts: dict = {}
-            for t in s.get("types", {}).values():
-                counts[t] = counts.get(t, 0) + 1
-            res["allocated_type_counts"] = counts
-            res["allocation_phase_seconds"] = s.get("seconds")
-        q, a = res["quantize Q4_K_M"], res["quantize --target-size (proxy)"]
-        res["time_ratio"] = a["seconds"] / q["seconds"]
-        res["peak_ratio"] = a["peak_rss"] / q["peak_rss"]
+        for key, extra in ARMS.items():
+            alloc = d / "auto.gguf"
+            r = scale.measured(scale.qg("quantize", str(f16), "--target-size", str(size), "--sensitivity", "proxy",
+                                        *extra, "--out", str(alloc), "--json"))
+            arm = res if key == "all" else res.setdefault("arms", {}).setdefault(key, {"flags": extra})
+            arm["quantize --target-size (proxy)"] = _brief(r)
+            if r["rc"] == 0:
+                side = Path(str(alloc) + ".allocation.json")
+                s = json.loads(side.read_text())  # stdout's tail is cut at 3000 chars
+                arm["allocated_bytes"] = alloc.stat().st_size
+                arm["allocated_bits_per_weight"] = s.get("bits_per_weight")
+                counts: dict = {}
+                for t in s.get("types", {}).values():
+                    counts[t] = counts.get(t, 0) + 1
+                arm["allocated_type_counts"] = counts
+                arm["allocation_phase_seconds"] = s.get("seconds")
+                alloc.unlink()
+                side.unlink()
+            q, a = res["quantize Q4_K_M"], arm["quantize --target-size (proxy)"]
+            arm["time_ratio"] = a["seconds"] / q["seconds"]
+            arm["peak_ratio"] = a["peak_rss"] / q["peak_rss"]
+        res["quantize_throughput_m_elements_per_s"] = quantize_throughput()
     finally:
         scale.remove_own(d)
     return res
+
+
+# The allocations timed at 9B: every candidate type, and without IQ4_XS (whose quantizer is the slowest: see
+# quantize_throughput), the choice `--types` gives a user who cannot wait for it.
+ARMS = {"all": [], "without IQ4_XS": ["--types", "Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,Q8_0"]}
+
+
+def quantize_throughput(rows: int = 256, row: int = 4096) -> dict:
+    """ggml's own quantizer (ggml_quantize_chunk, one thread, no importance matrix) on random rows: million
+    elements per second per candidate type, the median of 3 runs."""
+    import ctypes
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+    from llama_cpp._ggml import libggml as lib
+    from quantgate.quant.allocate import CANDIDATES
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    x = np.random.default_rng(0).standard_normal((rows, row)).astype(np.float32)
+    out = {}
+    for t in CANDIDATES:
+        q = GGMLQuantizationType[t]
+        block, size = GGML_QUANT_SIZES[q]
+        dst = np.zeros(x.size // block * size, dtype=np.uint8)
+        runs = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            lib.ggml_quantize_chunk(int(q), x.ctypes.data, dst.ctypes.data, 0, rows, row, None)
+            runs.append(time.perf_counter() - t0)
+        out[t] = round(x.size / float(np.median(runs)) / 1e6, 1)
+    return out
 
 
 def _brief(r: dict) -> dict:
@@ -277,6 +314,15 @@ def write_tables(result: dict) -> None:
                   f"types: {s.get('allocated_type_counts')}."
                   + (f" Allocation phases (s): {s['allocation_phase_seconds']}." if s.get("allocation_phase_seconds")
                      else " Its phases were not timed in this run."), ""]
+        for name, arm in s.get("arms", {}).items():
+            b = arm["quantize --target-size (proxy)"]
+            lines += [f"The same allocation {name} (`{' '.join(arm['flags'])}`): rc {b['rc']}, {b['seconds']} s, "
+                      f"{b['peak_rss'] / 1e9:.2f} GB: time {arm['time_ratio']:.2f}x, peak memory {arm['peak_ratio']:.2f}x "
+                      f"plain; {arm.get('allocated_bytes', 0):,} bytes; types {arm.get('allocated_type_counts')}; "
+                      f"phases (s) {arm.get('allocation_phase_seconds')}.", ""]
+        if s.get("quantize_throughput_m_elements_per_s"):
+            lines += ["ggml's quantizer, one thread, no importance matrix, million elements per second (random rows "
+                      f"of 4096): {s['quantize_throughput_m_elements_per_s']}.", ""]
         for e in result.get("scale_earlier_runs", []):
             s = e["result"]
             q, a = s["quantize Q4_K_M"], s["quantize --target-size (proxy)"]

@@ -334,6 +334,37 @@ def test_quantize_with_the_proxy_writes_a_file_within_the_budget(f32_gguf, tmp_p
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").glob("sens-*"))  # nothing measured
 
 
+def test_the_proxy_gives_the_same_errors_on_any_number_of_threads(f32_gguf):
+    """Tensors run in parallel in the worker; the rows sampled are drawn before, so threads change nothing."""
+    from quantgate.quant.allocate import units_of
+    from quantgate.quant.proxy import weight_errors
+    units = units_of(f32_gguf)
+    assert weight_errors(f32_gguf, units, rows=16, threads=1) == weight_errors(f32_gguf, units, rows=16, threads=3)
+
+
+def test_types_restrict_the_allocation_and_bad_ones_are_one_line(f32_gguf, tmp_path):
+    """`--types`: only those types (and Q8_0, every measurement's base) are chosen, the budget still met, and the
+    file says what was allowed; a type that is no candidate, or --types without a budget, is one line."""
+    from gguf import GGUFReader
+
+    from quantgate.formats import inspect_gguf
+    out = tmp_path / "k.gguf"
+    r = run_cli("quantize", f32_gguf, "--target-bpw", "6", "--sensitivity", "proxy", "--types", "q4_0,Q4_K",
+                "--out", out, "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads(r.stdout)
+    assert set(s["types"].values()) <= {"Q4_0", "Q4_K", "Q8_0"} and s["types_allowed"] == ["Q4_0", "Q4_K"]
+    assert "Q4_0" in s["types"].values()
+    assert inspect_gguf(out).bits_per_weight <= 6.0
+    assert GGUFReader(out).fields["quantgate.allocation.types_allowed"].contents() == "Q4_0,Q4_K"
+    for args, needle in ((["--target-bpw", "6", "--types", "Q4_K,F16"], "F16 is not a candidate type"),
+                         (["--types", "Q4_K"], "--types applies to an allocation")):
+        bad = run_cli("quantize", f32_gguf, *args, "--out", tmp_path / "bad.gguf")
+        lines = bad.stderr.strip().splitlines()
+        assert bad.returncode == 2 and len(lines) == 1 and needle in lines[0], bad.stderr
+        assert not (tmp_path / "bad.gguf").exists()
+
+
 @pytest.fixture(scope="module")
 def gated_f32_gguf(tmp_path_factory):
     """A gated model's GGUF: it carries tensors llama.cpp's quantizer keeps in float whatever it is asked."""

@@ -63,10 +63,12 @@ GATE_UNITS = (".attn_q.weight", ".attn_gate.weight", ".ssm_alpha.weight", ".ssm_
 
 @dataclass(frozen=True)
 class Unit:
-    """One tensor the allocator chooses a type for: its name, element count and row length (ggml's ne[0])."""
+    """One tensor the allocator chooses a type for: its name, element count and row length (ggml's ne[0]);
+    `allowed`: the types the user let the allocation use (`--types`; empty: every candidate)."""
     name: str
     n_elements: int
     row: int
+    allowed: tuple[str, ...] = ()
 
     @property
     def is_gate(self) -> bool:
@@ -76,7 +78,7 @@ class Unit:
     def candidates(self) -> tuple[str, ...]:
         """The types whose blocks fit its rows."""
         pool = CANDIDATES if self.row % 256 == 0 else SMALL_ROW_CANDIDATES
-        return tuple(t for t in pool if self.row % _block(t) == 0)
+        return tuple(t for t in pool if self.row % _block(t) == 0 and (not self.allowed or t in self.allowed))
 
     def bytes(self, t: str) -> int:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType[t]]
@@ -90,17 +92,33 @@ def _block(t: str) -> int:
     return GGML_QUANT_SIZES[GGMLQuantizationType[t]][0]
 
 
-def units_of(path: str | Path) -> list[Unit]:
-    """The tensors of an F32/F16/BF16 GGUF that llama.cpp's quantizer quantizes (2-D or more, rows of 32)."""
+def units_of(path: str | Path, types: tuple[str, ...] = ()) -> list[Unit]:
+    """The tensors of an F32/F16/BF16 GGUF that llama.cpp's quantizer quantizes (2-D or more, rows of 32), each
+    allowed `types` (empty: every candidate; BASE is always allowed, since every measurement starts from it)."""
     info = inspect_gguf(path)
     if info.file_type not in ("F32", "F16", "BF16"):
         raise QuantgateError(f"{path} is already quantized ({info.file_type}); allocate from the F32/F16 export")
+    allowed = tuple(dict.fromkeys((*types, BASE))) if types else ()
     out = []
     for t in open_reader(path).tensors:
         shape = [int(d) for d in t.shape]
         if len(shape) >= 2 and shape[0] % 32 == 0 and not t.name.endswith(KEPT_FLOAT):
-            out.append(Unit(t.name, int(np.prod(shape)), shape[0]))
+            out.append(Unit(t.name, int(np.prod(shape)), shape[0], allowed))
     return out
+
+
+def parse_types(text: str | None) -> tuple[str, ...]:
+    """`--types Q4_K,Q5_K,Q6_K`: the candidate types an allocation may use (empty: all of them). A type that is no
+    candidate is one line naming the candidates."""
+    if not text:
+        return ()
+    names = tuple(t.strip().upper() for t in text.split(",") if t.strip())
+    known = (*CANDIDATES, *SMALL_ROW_CANDIDATES)
+    bad = [t for t in names if t not in known]
+    if bad or not names:
+        raise QuantgateError(f"--types {text!r}: {', '.join(bad) or 'no type'} is not a candidate type; choose from "
+                             f"{', '.join(dict.fromkeys(known))} (Q8_0 is always allowed)")
+    return names
 
 
 # Tensors llama.cpp's quantizer keeps in float whatever it is asked (llama-quant.cpp's name checks: MoE routers, a
@@ -387,14 +405,17 @@ def budget_from(units: list[Unit], total_elements: int, other_bytes: int, header
 def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = None, target_bytes: int | None = None,
                   calib_data: str = "embedded", calib_windows: int = 8, ctx: int = 128, seed: int = 0,
                   threads: int | None = None, hold_gates: bool = False, imatrix: bool = False,
-                  decode_floor: DecodeFloor | None = None, sensitivity: str = "auto") -> dict:
+                  decode_floor: DecodeFloor | None = None, sensitivity: str = "auto",
+                  types: tuple[str, ...] = ()) -> dict:
     """Write `out` from the F32/F16/BF16 GGUF `src` with per-tensor types chosen under the target (bits per weight
     over all tensors, or file bytes); `hold_gates` keeps the gate units at the allocation's base type (the A/B's
     held arm: the same budget, the gates given no more bits than most of the model); `imatrix`: every
     quantization, the measured ones and the written file, takes an importance matrix from the calibration windows;
     `decode_floor`: the file's decode speed, predicted from per-type timings taken here with `threads`
     (quant.decode_cost), must not fall below it; `sensitivity`: "measured" (KLD per tensor and type), "proxy"
-    (weight error, quant.proxy: for models too large to measure) or "auto" (measured up to PROXY_ABOVE weights).
+    (weight error, quant.proxy: for models too large to measure) or "auto" (measured up to PROXY_ABOVE weights);
+    `types`: the candidate types allowed (parse_types; empty: all), e.g. leaving out IQ4_XS, whose quantizer is about
+    3x slower than Q4_K's and whose CPU decode is slower than its size suggests.
     The chosen types land in the file's metadata (quantgate.allocation.*) and, with the measured sensitivity, in
     `out`.allocation.json. Returns that summary."""
     if (target_bpw is None) == (target_bytes is None):
@@ -402,7 +423,7 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
     if target_bpw is not None and not 1.0 <= target_bpw <= 32.0:
         raise QuantgateError(f"--target-bpw must be between 1 and 32, got {target_bpw}")
     src, out = Path(src), Path(out)
-    units = units_of(src)
+    units = units_of(src, types)
     if not units:
         raise QuantgateError(f"{src} has no tensor llama.cpp quantizes")
     side = out.with_name(out.name + ".allocation.json")
@@ -470,7 +491,7 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
                 raise QuantgateError(f"llama.cpp wrote other types than the allocation asked for: "
                                      f"{list(mismatch.items())[:3]}")
             meta = {f"{META}.target": target, f"{META}.sensitivity": sens.kind, f"{META}.hold_gates": hold_gates,
-                    f"{META}.imatrix": imatrix,
+                    f"{META}.imatrix": imatrix, f"{META}.types_allowed": ",".join(types) if types else "all",
                     f"{META}.calibration": (f"{calib_data}: {sens.windows} windows of {sens.ctx} tokens" if measured
                                             else f"{sens.data}: {sens.windows} sampled rows per tensor"),
                     f"{META}.tensor_types": [f"{n}={t}" for n, t in plan.types.items()]}
@@ -487,7 +508,7 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
                "bytes": out.stat().st_size, "bits_per_weight": round(written.bits_per_weight, 4),
                "sensitivity_kind": sens.kind, "predicted_kld": plan.predicted_kld if measured else None,
                **({} if measured else {"predicted_proxy_error": plan.predicted_kld}),
-               "hold_gates": hold_gates, "imatrix": imatrix,
+               "hold_gates": hold_gates, "imatrix": imatrix, "types_allowed": list(types) or "all",
                "types": plan.types, "gate_types": {n: t for n, t in plan.types.items() if n.endswith(GATE_UNITS)},
                "sensitivity": sens.to_dict(), "seconds": clock.seconds}
     if cost is not None:
