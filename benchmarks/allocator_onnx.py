@@ -129,11 +129,13 @@ def write_tables(result: dict) -> None:
                   f"`{e['command']}` at {e['commit']} ({e['seconds'] / 60:.0f} min); twins: `{e['train']}`; KLD "
                   f"against the float twin (PyTorch fp32) on {EVAL['windows']} windows of {EVAL['ctx']} tokens of the "
                   f"embedded corpus's test split; sensitivity on {CALIB['windows']} calibration windows of "
-                  f"{CALIB['ctx']} tokens (valid split). Bits per weight: the graph's weight bytes (packed blocks, "
-                  f"scales, float norms) over every weight. Ratios: mean KLD, paired window bootstrap, 95% interval. "
+                  f"{CALIB['ctx']} tokens (valid split). bpw: the allocation's weight bytes (packed blocks, scales, "
+                  f"float norms) over every weight, as `--target-bpw` counts them; folder bpw: model.onnx and its data "
+                  f"(the graph's nodes and names too) over every weight, as the uniform recipes are shown and "
+                  f"compared (the best uniform recipe is the one with the lowest KLD whose folder is no larger). Ratios: mean KLD, paired window bootstrap, 95% interval. "
                   f"Speed: ONNX Runtime, {SPEED['threads']} thread, prefill {SPEED['prefill']} then decode "
                   f"{SPEED['decode']}, median per-round ratio of {SPEED['rounds']} alternated rounds [min, max].", "",
-                  "| twin | budget | bpw | KLD allocator [95%] | KLD p99 [95%] | best uniform <= size | alloc/uniform KLD | "
+                  "| twin | budget | bpw (folder) | KLD allocator [95%] | KLD p99 [95%] | best uniform <= size | alloc/uniform KLD | "
                   "decode alloc/uniform | prefill alloc/uniform | gates held/free |", "|---|---|---|---|---|---|---|---|---|---|"]
         for tw in e["twins"]:
             for r in tw["budgets"]:
@@ -147,10 +149,11 @@ def write_tables(result: dict) -> None:
                            f"[{sp['prefill']['ratio_range'][0]:.2f}, {sp['prefill']['ratio_range'][1]:.2f}]")
                 else:
                     cmp = "none this small | - | - | -"
-                lines.append(f"| {tw['twin']} | {r['budget_bpw']} | {r['bits_per_weight']:.3f} | {a['kld_mean']:.4g} "
+                lines.append(f"| {tw['twin']} | {r['budget_bpw']} | {r['bits_per_weight']:.3f} "
+                             f"({r['file_bits_per_weight']:.2f}) | {a['kld_mean']:.4g} "
                              f"[{ci[0]:.4g}, {ci[1]:.4g}] | {a['kld_p99']:.4g} [{p99[0]:.4g}, {p99[1]:.4g}] | {cmp} | "
                              f"{h['ratio']:.3f} [{h['ci95'][0]:.3f}, {h['ci95'][1]:.3f}] |")
-        lines += ["", "The uniform recipes (bits per weight: then mean KLD [95%]):", "",
+        lines += ["", "The uniform recipes (folder bits per weight: then mean KLD [95%]):", "",
                   "| twin | " + " | ".join(UNIFORM) + " |", "|---|" + "---|" * len(UNIFORM)]
         for tw in e["twins"]:
             lines.append(f"| {tw['twin']} | " + " | ".join(

@@ -128,3 +128,24 @@ def test_a_quantized_export_is_refused(export, tmp_path):
 def _refused(r, needle: str) -> None:
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
+
+
+def test_onnx_budget_cells_parse_and_run_through_the_one_quantize_door(export, tmp_path):
+    """`onnx:auto@6` (and `+held`, `auto@40MB`) is a config the report's cells and `quant.quantize` take; a bad one
+    is one line before anything runs."""
+    from quantgate.errors import QuantgateError
+    from quantgate.quant import get
+    from quantgate.quant.build import CalibSettings, quantize
+    from quantgate.report.settings import ReportSettings, check_settings
+    s = get("onnx", "auto@6+held")
+    assert (s.target_bpw, s.target_bytes, s.hold_gates, s.tool) == (6.0, None, True, "budget")
+    assert get("onnx", "auto@40MB").target_bytes == 40_000_000
+    check_settings(ReportSettings("b", "g", str(tmp_path / "r"), backends=("onnx",), schemes={"onnx": ["int4", "auto@6"]}))
+    for bad, needle in (("auto@0.5", "between 1 and 32"), ("auto@6+imatrix", "unknown onnx scheme")):
+        with pytest.raises(QuantgateError, match=needle):
+            get("onnx", bad)
+    with pytest.raises(QuantgateError, match="unknown ONNX scheme"):
+        get("onnx", "auto@6", "ONNX scheme")  # --scheme names a recipe; a budget is --target-bpw
+    summary = quantize(export, get("onnx", "auto@6"), tmp_path / "cell", CalibSettings(windows=4, ctx=64))
+    assert summary["bits_per_weight"] <= 6.0 and json.loads((tmp_path / "cell" / "allocation.json").read_text())[
+        "types"] == summary["types"]

@@ -13,10 +13,11 @@ from pathlib import Path
 
 from ..errors import QuantgateError
 from .allocate import allocate_gguf
+from .allocate_onnx import allocate_onnx
 from .llama_cpp import quantize_gguf
 from .ort import quantize_onnx
 from .torch_backend import quantize_checkpoint
-from .schemes import GgufBudget, GgufScheme, OnnxScheme, TorchaoScheme, TorchScheme
+from .schemes import GgufBudget, GgufScheme, OnnxBudget, OnnxScheme, TorchaoScheme, TorchScheme
 from .targets import parse_floor
 
 
@@ -49,12 +50,17 @@ def _gguf_budget(src, s: GgufBudget, out, c: CalibSettings, threads) -> dict:
                          s.hold_gates, s.imatrix, floor)
 
 
+def _onnx_budget(src, s: OnnxBudget, out, c: CalibSettings, threads) -> dict:
+    return allocate_onnx(src, out, s.target_bpw, s.target_bytes, c.data, c.windows, c.ctx, c.seed, threads,
+                         s.hold_gates)
+
+
 def _torchao(src, s: TorchaoScheme, out, c: CalibSettings, threads) -> dict:
     raise QuantgateError(f"torchao:{s.name} quantizes when the model is loaded: quantgate eval MODEL --torchao {s.name}")
 
 
-HANDLERS = {TorchScheme: _torch, OnnxScheme: _onnx, GgufScheme: _gguf, GgufBudget: _gguf_budget,
-            TorchaoScheme: _torchao}
+HANDLERS = {TorchScheme: _torch, OnnxScheme: _onnx, OnnxBudget: _onnx_budget, GgufScheme: _gguf,
+            GgufBudget: _gguf_budget, TorchaoScheme: _torchao}
 
 
 def quantize(source: str | Path, scheme, out: str | Path, calib: CalibSettings = CalibSettings(),

@@ -297,6 +297,44 @@ def gguf_budget(name: str) -> GgufBudget | None:
     return GgufBudget(name, bpw, "imatrix" in flags, "held" in flags, None, floor)
 
 
+@dataclass(frozen=True)
+class OnnxBudget:
+    """MatMulNBits bits and block size per node chosen by quantgate's ONNX allocator (quant.allocate_onnx) under a
+    budget: `auto@5` (bits per weight) or `auto@40MB` (the folder's size); `+held` holds the gates at the
+    allocation's base option. Not listed in the registry: `get` reads the name."""
+    backend: ClassVar[str] = "onnx"
+    name: str
+    target_bpw: float | None
+    hold_gates: bool = False
+    target_bytes: int | None = None
+    tool: ClassVar[str] = "budget"
+    keep: ClassVar[None] = None
+    needs_calibration: ClassVar[bool] = True  # sensitivity is measured on calibration windows
+
+    def describe(self) -> dict:
+        size = f"<= {self.target_bpw:g} bpw" if self.target_bpw is not None else f"<= {self.target_bytes:,} bytes"
+        return {"weights": f"allocated MatMulNBits bits and blocks per node, {size}"
+                           + (", gates held" if self.hold_gates else ""),
+                "weight_bits": self.target_bpw, "group_size": None, "activations": "float", "kv_cache": None,
+                "artifact": "ONNX directory"}
+
+
+ONNX_BUDGET_NAME = re.compile(r"auto@([0-9]+(?:\.[0-9]+)?)([KMGT]i?B)?(\+held)?")
+
+
+def onnx_budget(name: str) -> OnnxBudget | None:
+    """`auto@BPW` or `auto@SIZE`, with `+held`, as an ONNX allocation's config; None for any other name."""
+    m = ONNX_BUDGET_NAME.fullmatch(name)
+    if m is None:
+        return None
+    if m.group(2):
+        return OnnxBudget(name, None, bool(m.group(3)), parse_size(m.group(1) + m.group(2), f"onnx:{name}: the size"))
+    bpw = float(m.group(1))
+    if not 1.0 <= bpw <= 32.0:
+        raise QuantgateError(f"onnx:{name}: the budget must be between 1 and 32 bits per weight")
+    return OnnxBudget(name, bpw, bool(m.group(3)))
+
+
 # --- torchao (real integer kernels, applied when the model is loaded: `eval --torchao`) -----------------
 
 @dataclass(frozen=True)
@@ -368,7 +406,8 @@ def names(backend: str) -> list[str]:
 def get(backend: str, name: str, what: str | None = None, **overrides):
     """The registry's config for `backend:name` (with dataclass overrides, e.g. block_size=64); an unknown
     name is one error line listing the choices (`what` names them, e.g. "GGUF type")."""
-    s = SCHEMES.get(f"{backend}:{name}") or (gguf_budget(name) if backend == "gguf" and what is None else None)
+    budget = {"gguf": gguf_budget, "onnx": onnx_budget}.get(backend) if what is None else None
+    s = SCHEMES.get(f"{backend}:{name}") or (budget(name) if budget else None)
     if s is None:
         listed = names(backend)
         tail = ""
@@ -377,6 +416,8 @@ def get(backend: str, name: str, what: str | None = None, **overrides):
             if what is None:  # a report cell: the kv- run-time variants are cells too
                 tail = ("; any type below 8 bits takes +gate8, kv-q8_0 or kv-q4_0 run an F16 file with that KV cache, "
                         "and auto@BPW[+imatrix][+held] allocates types per tensor under BPW bits per weight")
+        elif backend == "onnx" and what is None:
+            tail = "; auto@BPW[+held] allocates MatMulNBits bits and blocks per node under BPW bits per weight"
         raise QuantgateError(f"unknown {what or backend + ' scheme'} {name!r}; choose from {', '.join(listed)}{tail}")
     return replace(s, **overrides) if overrides else s
 
