@@ -387,8 +387,9 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
 @click.option("--sensitivity", type=click.Choice(["auto", "measured", "proxy"]), default="auto", show_default=True,
               help="with --target-bpw/--target-size: measured (each tensor's KLD at each type: one quantization and "
                    "run per tensor and type), proxy (each tensor's importance-weighted weight error at each type, "
-                   "from ggml's own quantizers on sampled rows: minutes at 9B, but a weak stand-in: its files carried "
-                   "2-3x the KLD of measured ones on the benchmark pair), auto (measured up to 100M weights)")
+                   "from ggml's own quantizers on sampled rows; for ONNX, each node's weight error from ORT's block "
+                   "quantizer: minutes at 9B, but a weak stand-in: its GGUF files carried 2-3x the KLD of measured "
+                   "ones on the benchmark pair), auto (measured up to 100M weights)")
 @click.option("--decode-floor", default=None, metavar="SPEED",
               help="with --target-bpw/--target-size: the file must decode at least this fast, predicted from each "
                    "type's decode time measured here with --threads: tok/s (40), a llama.cpp type (Q4_K_M: as fast "
@@ -443,14 +444,13 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
                                  "--scheme and --gate-bits")
         from quantgate.quant.targets import parse_floor, parse_size
         if backend == "onnxruntime":
-            for flag, given in (("--decode-floor", decode_floor), ("--sensitivity proxy", sensitivity == "proxy"),
-                                ("--imatrix", imatrix), ("--types", alloc_types)):
+            for flag, given in (("--decode-floor", decode_floor), ("--imatrix", imatrix), ("--types", alloc_types)):
                 if given:
-                    raise QuantgateError(f"{flag} applies to a GGUF allocation; an ONNX allocation measures each "
-                                         f"node's KLD")
+                    raise QuantgateError(f"{flag} applies to a GGUF allocation (an ONNX allocation chooses MatMulNBits "
+                                         f"bits and block sizes)")
             from quantgate.quant.allocate_onnx import allocate_onnx
             summary = allocate_onnx(model, out, target_bpw, parse_size(target_size) if target_size else None,
-                                    calib_data, calib_windows, ctx, seed, threads, hold_gates)
+                                    calib_data, calib_windows, ctx, seed, threads, hold_gates, sensitivity)
             _emit(summary if as_json else {k: v for k, v in summary.items() if k != "sensitivity"}, as_json)
             return
         from quantgate.quant.allocate import allocate_gguf, parse_types

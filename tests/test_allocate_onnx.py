@@ -109,7 +109,7 @@ def test_quantize_target_bpw_on_an_onnx_export(export, tmp_path):
     (["--target-bpw", "3"], "below the smallest graph"),
     (["--target-size", "10MB"], "not below the fp32 export"),
     (["--target-bpw", "5", "--decode-floor", "40"], "--decode-floor applies to a GGUF allocation"),
-    (["--target-bpw", "5", "--sensitivity", "proxy"], "--sensitivity proxy applies to a GGUF allocation"),
+    (["--target-bpw", "5", "--types", "Q4_K"], "--types applies to a GGUF allocation"),
     (["--target-bpw", "5", "--scheme", "int4"], "replace --type, --scheme"),
 ])
 def test_bad_onnx_budgets_are_one_line_and_write_nothing(export, tmp_path, args, needle):
@@ -149,3 +149,39 @@ def test_onnx_budget_cells_parse_and_run_through_the_one_quantize_door(export, t
     summary = quantize(export, get("onnx", "auto@6"), tmp_path / "cell", CalibSettings(windows=4, ctx=64))
     assert summary["bits_per_weight"] <= 6.0 and json.loads((tmp_path / "cell" / "allocation.json").read_text())[
         "types"] == summary["types"]
+
+
+def test_the_proxy_dequantizes_orts_blocks_as_matmulnbits_reads_them(tmp_path):
+    """dequantize_blocks against ONNX Runtime's own MatMulNBits kernel (accuracy_level 0: fp32 compute) fed the
+    identity, for both bits and two block sizes, including a K that is no multiple of the block."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+    from quantgate.quant.ort_weight_only import _block_quantizer
+    rng = np.random.default_rng(0)
+    for bits, block, k in ((4, 32, 96), (8, 32, 96), (4, 128, 256), (8, 64, 80)):
+        w = rng.standard_normal((k, 24)).astype(np.float32)
+        packed, scales, _ = _block_quantizer(bits, block).qbits_block_quant(w)
+        node = helper.make_node("MatMulNBits", ["x", "b", "s"], ["y"], domain="com.microsoft", K=k, N=24, bits=bits,
+                                block_size=block, accuracy_level=0)
+        g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [k, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [k, 24])],
+                              [numpy_helper.from_array(packed, "b"), numpy_helper.from_array(scales, "s")])
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+        y = ort.InferenceSession(m.SerializeToString()).run(None, {"x": np.eye(k, dtype=np.float32)})[0]
+        np.testing.assert_allclose(ao.dequantize_blocks(packed, scales, bits, block, k), y, rtol=1e-6, atol=1e-6)
+        assert np.abs(y - w).max() > 0  # it is quantized
+
+
+def test_onnx_proxy_allocation_within_the_budget(export, tmp_path):
+    """`--sensitivity proxy` (automatic above 100M weights): no calibration run, the budget met, the folder says
+    which sensitivity chose, no predicted KLD; int4 errors exceed int8's for every unit."""
+    out = tmp_path / "proxy"
+    r = run_cli("quantize", str(export), "--target-bpw", "6", "--sensitivity", "proxy", "--out", str(out), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads(r.stdout)
+    assert s["sensitivity_kind"] == "proxy" and s["predicted_kld"] is None and s["predicted_proxy_error"] > 0
+    assert s["bits_per_weight"] <= 6.0 and len(set(s["types"].values())) > 1
+    assert all(d["int4/32"] > d["int8/32"] == 0.0 for d in s["sensitivity"]["delta"].values())
+    assert json.loads((out / "quantgate.json").read_text())["quantization"]["sensitivity"] == "proxy"
+    with OrtRunner(out) as runner:
+        assert np.isfinite(runner.logits(W)).all()

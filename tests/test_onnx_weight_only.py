@@ -134,3 +134,24 @@ def test_the_whole_graph_schemes_are_refused_where_the_export_cannot_fit(tmp_pat
         assert not (tmp_path / scheme).exists()
     summary = onnx_quantize.quantize_onnx(tmp_path / "fp32", tmp_path / "int4", "int4")  # streams: not refused
     assert summary["bytes"] > 0
+
+
+@pytest.mark.parametrize("case", ["qwen35-gated-r2", "qwen35-baseline-tied"])
+def test_the_allocators_units_are_the_matmuls_the_recipes_quantize(fp32_exports, case):
+    """quant.allocate_onnx's units on a hybrid and a tied export: every MatMul the int4 recipe turns into
+    MatMulNBits (a tied head as the embedding's unit, the GDN's in_proj_a/in_proj_b left float), its [K, N] from
+    the initializer; the gate units are exactly the recipes' gate MatMuls (fused q|gate, GDN in_proj_z)."""
+    from quantgate.quant.allocate_onnx import units_of
+    src = fp32_exports(case) / "model.onnx"
+    graph = onnx.load(str(src), load_external_data=False)
+    g = units_of(src)
+    names = {u.name for u in g.units}
+    inits = {t.name: t for t in graph.graph.initializer}
+    matmuls = {n.name: n for n in graph.graph.node if n.op_type == "MatMul" and n.input[1] in inits}
+    kept = set(kept_float_matmuls(graph))
+    assert names - {g.embed} == set(matmuls) - kept and not names & kept
+    assert {u.name for u in g.units if u.is_gate} == set(gate_matmuls(graph))
+    for u in g.units:
+        if u.name in matmuls:
+            assert [u.k, u.n] == list(inits[matmuls[u.name].input[1]].dims)
+    assert bool(g.head_of) == case.endswith("tied")

@@ -13,8 +13,8 @@ The GGUF allocator's method (quant.allocate) on ONNX Runtime's weight-only forma
 2. Sensitivity, measured: a base graph with every unit at BASE, then one graph per (unit, option) with that unit
    alone at the option, each written by ORT's own block quantizer (quant.ort_weight_only) and run by ONNX Runtime
    on calibration windows against the fp32 export's logits: delta(u, o) = KLD(graph) - KLD(base). Cached by
-   content, as the GGUF sensitivity is. No proxy here yet: at a model whose measurement would take hours, the
-   command says so and stops.
+   content, as the GGUF sensitivity is. Above MEASURE_ABOVE weights (hours to measure) `--sensitivity auto` takes
+   the weight-error proxy instead (proxy_sensitivity: ORT's block quantizer on sampled columns, no calibration).
 3. Allocation: quant.allocate's multiple-choice knapsack on the predicted KLD (base + summed deltas).
 4. The graph is written by ort_weight_only with each node's (bits, block size); quantgate.json's quantization
    names the target and every node's option, and `allocation.json` in the folder holds the sensitivity.
@@ -51,7 +51,8 @@ from .ort_weight_only import Spec, quantize_weight_only, tied_head
 OPTIONS = ("int4/128", "int4/64", "int4/32", "int8/128", "int8/64", "int8/32")  # bits/block of MatMulNBits
 BASE = "int8/32"  # every unit's option while another one is measured
 SCALE_BITS = 32  # an fp32 scale per block (the export is fp32; ORT writes the scales in the weight's dtype)
-MEASURE_ABOVE = 100_000_000  # weights: above this the measured sensitivity would take hours on a laptop's CPU
+MEASURE_ABOVE = 100_000_000  # weights: --sensitivity auto measures below, takes the proxy above (hours to measure)
+PROXY_ROWS = 256  # output columns sampled per weight, as the GGUF proxy samples rows
 
 
 def spec(option: str) -> Spec:
@@ -68,6 +69,7 @@ class OnnxUnit:
     k: int
     n: int
     gate: bool = False
+    weight: str = ""  # its initializer ([K, N]; the embedding table is [N, K])
 
     @property
     def n_elements(self) -> int:
@@ -115,7 +117,7 @@ def units_of(path: Path) -> Graph:
         if node.op_type == "Gather" and node.input[0] in inits and len(inits[node.input[0]].dims) == 2:
             v, d = (int(x) for x in inits[node.input[0]].dims)
             embed = node.input[0]
-            units.append(OnnxUnit(embed, d, v))
+            units.append(OnnxUnit(embed, d, v, weight=embed))
         elif node.op_type == "MatMul" and len(node.input) == 2 and not any(k in node.name for k in KEPT_FLOAT):
             if untie is not None and node.input[1] == untie[1]:
                 head_of[node.name] = untie[0]
@@ -124,7 +126,7 @@ def units_of(path: Path) -> Graph:
             if b is None or len(b.dims) != 2 or b.data_type != onnx.TensorProto.FLOAT:
                 continue
             k, n = (int(x) for x in b.dims)
-            units.append(OnnxUnit(node.name, k, n, any(m in node.name for m in GATE_MATMULS)))
+            units.append(OnnxUnit(node.name, k, n, any(m in node.name for m in GATE_MATMULS), node.input[1]))
     if not units:
         raise QuantgateError(f"{path} has no MatMul with a constant fp32 weight: nothing to allocate")
     total = sum(int(np.prod([int(d) for d in t.dims])) for t in g.initializer if t.data_type == onnx.TensorProto.FLOAT)
@@ -185,6 +187,46 @@ def _logits(folder: Path, windows: np.ndarray, threads: int | None) -> np.ndarra
         return r.logits(windows)
 
 
+def proxy_sensitivity(path: Path, graph: Graph, rows: int = PROXY_ROWS, seed: int = 0) -> Sensitivity:
+    """Each unit's squared weight error at each option over its error at BASE, on `rows` sampled output columns
+    (scaled to all of them): ORT's own block quantizer, dequantized here (dequantize_blocks). The ONNX twin of the
+    GGUF proxy (quant.proxy), for exports too large to measure; no calibration run, no importance weights, and as
+    weak a stand-in as that one (its files carried 2-3x the KLD of measured ones on the GGUF benchmark pair)."""
+    import onnx
+    from .ort_weight_only import _array, _block_quantizer
+    inits = {t.name: t for t in onnx.load(str(path), load_external_data=False).graph.initializer}
+    rng = np.random.default_rng(seed)
+    quantizers: dict = {}
+    delta = {}
+    for u in track(graph.units, "weight error: one node at a time", total=len(graph.units)):
+        a = _array(inits[u.weight], path.parent)
+        pick = np.sort(rng.choice(u.n, size=min(rows, u.n), replace=False))
+        w = np.ascontiguousarray((a[pick].T if u.name == graph.embed else a[:, pick]), dtype=np.float32)  # [K, rows]
+        del a
+        err = {}
+        for o in u.candidates():
+            bits, block = spec(o)
+            if (bits, block) not in quantizers:
+                quantizers[bits, block] = _block_quantizer(bits, block)
+            packed, scales, _zp = quantizers[bits, block].qbits_block_quant(w)
+            err[o] = float(((w - dequantize_blocks(packed, scales, bits, block, u.k)) ** 2).sum()) * u.n / len(pick)
+        delta[u.name] = {o: e - err[BASE] for o, e in err.items()}
+    return Sensitivity(0.0, delta, rows, 0, "weights", "proxy", base=BASE)
+
+
+def dequantize_blocks(packed: np.ndarray, scales: np.ndarray, bits: int, block: int, k: int) -> np.ndarray:
+    """[K, N] float32 from ORT's symmetric MatMulNBits blocks: packed [N, blocks, block * bits / 8] (two 4-bit values a
+    byte, the low nibble first), scales [N, blocks], the zero point implicit (2^(bits-1)), as the kernel reads them.
+    Written by hand: onnxruntime.quantization has no dequantizer for its blocks."""
+    n, nb, _ = packed.shape
+    if bits == 4:
+        q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, nb, block)
+    else:
+        q = packed.reshape(n, nb, block)
+    w = (q.astype(np.float32) - 2 ** (bits - 1)) * scales.reshape(n, nb, 1)
+    return np.ascontiguousarray(w.reshape(n, nb * block)[:, :k].T)
+
+
 def budget_bytes(graph: Graph, other_bytes: int, target_bpw: float | None, target_bytes: int | None) -> int:
     """The units' byte budget for a target in bits per weight (over every fp32 initializer) or in folder bytes
     (model.onnx and its data); one line naming the reachable range when the target is outside it."""
@@ -211,11 +253,12 @@ def budget_bytes(graph: Graph, other_bytes: int, target_bpw: float | None, targe
 
 def allocate_onnx(src: str | Path, out: str | Path, target_bpw: float | None = None, target_bytes: int | None = None,
                   calib_data: str = "embedded", calib_windows: int = 8, ctx: int = 128, seed: int = 0,
-                  threads: int | None = None, hold_gates: bool = False) -> dict:
+                  threads: int | None = None, hold_gates: bool = False, sensitivity: str = "auto") -> dict:
     """Write the ONNX folder `out` from the fp32 export `src` with each MatMulNBits node's bits and block size
     chosen under the target (bits per weight over every weight, or folder bytes) to minimise the measured KLD;
-    `hold_gates`: the gate units at the allocation's base option (the A/B's held arm). Returns the summary, also
-    written to `out`/allocation.json."""
+    `hold_gates`: the gate units at the allocation's base option (the A/B's held arm); `sensitivity`: "measured"
+    (each node's KLD), "proxy" (its weight error: for exports too large to measure) or "auto" (measured up to
+    MEASURE_ABOVE weights). Returns the summary, also written to `out`/allocation.json."""
     if (target_bpw is None) == (target_bytes is None):
         raise QuantgateError("give one target: --target-bpw or --target-size")
     if target_bpw is not None and not 1.0 <= target_bpw <= 32.0:
@@ -235,25 +278,33 @@ def allocate_onnx(src: str | Path, out: str | Path, target_bpw: float | None = N
     # in bytes, the rest of the folder counts too (the graph's nodes and names)
     other = other_weights if target_bytes is None else onnx_bytes(model_dir) - graph.unit_float_bytes
     budget = budget_bytes(graph, other, target_bpw, target_bytes)
-    if weights > MEASURE_ABOVE:
-        raise QuantgateError(f"{path}: {weights / 1e6:.0f}M weights to measure one node at a time would take hours "
-                             f"here (the ONNX allocator has no proxy yet); use a recipe (--scheme int4) or a GGUF "
-                             f"with --target-bpw")
-    sens = measure_sensitivity(path, model_dir, graph, calib_data, calib_windows, ctx, seed, threads)
+    if sensitivity not in ("auto", "measured", "proxy"):
+        raise QuantgateError(f"--sensitivity must be auto, measured or proxy, got {sensitivity!r}")
+    if sensitivity == "auto":
+        sensitivity = "proxy" if weights > MEASURE_ABOVE else "measured"
+    if sensitivity == "proxy":
+        sens = proxy_sensitivity(path, graph, seed=seed)
+    else:
+        sens = measure_sensitivity(path, model_dir, graph, calib_data, calib_windows, ctx, seed, threads)
     plan: Allocation = allocate(graph.units, sens, budget)
     if hold_gates:
         plan = allocate(graph.units, sens, budget, held_gates(graph.units, plan))
     target = f"{target_bpw:g} bpw" if target_bpw is not None else f"{target_bytes} bytes"
+    measured = sens.kind == "measured"
     with atomic_dir(out, "onnx") as tmp:
         write_graph(path, model_dir, tmp, graph, plan.types, {**meta, "quantization": {
-            "scheme": f"auto@{target}", "target": target, "hold_gates": hold_gates, "predicted_kld": plan.predicted_kld,
-            "calibration": f"{calib_data}: {sens.windows} windows of {sens.ctx} tokens", "source": str(path),
+            "scheme": f"auto@{target}", "target": target, "hold_gates": hold_gates, "sensitivity": sens.kind,
+            "predicted_kld": plan.predicted_kld if measured else None,
+            "calibration": (f"{calib_data}: {sens.windows} windows of {sens.ctx} tokens" if measured
+                            else f"weights: {sens.windows} sampled columns per node"), "source": str(path),
             "options": plan.types}})
         check_written(tmp, out)
         size = onnx_bytes(tmp)
         summary = {"src": str(path), "out": str(out), "target_bpw": target_bpw, "target_bytes": target_bytes,
                    "bytes": size, "bits_per_weight": round(8 * (plan.unit_bytes + other_weights) / graph.total_elements, 4),
-                   "predicted_kld": plan.predicted_kld, "hold_gates": hold_gates, "types": plan.types,
+                   "sensitivity_kind": sens.kind, "predicted_kld": plan.predicted_kld if measured else None,
+                   **({} if measured else {"predicted_proxy_error": plan.predicted_kld}),
+                   "hold_gates": hold_gates, "types": plan.types,
                    "gate_types": {u.name: plan.types[u.name] for u in graph.units if u.is_gate},
                    "sensitivity": sens.to_dict()}
         write_json(tmp / "allocation.json", summary, kind="allocation")
