@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from allocator import CALIB, EVAL, RECIPES, RESULTS, cli, paired_ratio
+from allocator_proxy import rank_agreement
 
 UNIFORM = {"int4/128": ("int4", 128), "int4/64": ("int4", 64), "int4/32": ("int4", 32),
            "int8/128": ("int8-weight", 128), "int8/32": ("int8-weight", 32)}
@@ -82,24 +83,32 @@ def run_twin(work: Path, name: str, model: Path, cache: Path) -> dict:
         std[label] = {"path": d, **evaluate(d, model, cache)}
         std[label]["bits_per_weight"] = 8 * std[label]["bytes"] / weights
     rows = []
+    delta: dict = {}
     for b in BUDGETS:
         arms = {}
-        for arm, extra in (("allocator", []), ("gates_held", ["--hold-gates"])):
+        for arm, extra in (("allocator", []), ("gates_held", ["--hold-gates"]), ("proxy", ["--sensitivity", "proxy"])):
             d = work / f"{name}-auto{b}-{arm}"
             t0 = time.perf_counter()
             s = json.loads(cli("quantize", fp32, "--target-bpw", b, *calib, *extra, "--out", d, "--json", env=env))
             arms[arm] = {"path": d, "seconds": round(time.perf_counter() - t0, 1), "bits_per_weight": s["bits_per_weight"],
                          "types": s["types"], "gate_types": s["gate_types"], "predicted_kld": s["predicted_kld"],
                          **evaluate(d, model, cache)}
+            delta[arm] = s["sensitivity"]["delta"]
         a = arms["allocator"]
         fits = [t for t in UNIFORM if std[t]["bytes"] <= a["bytes"]]
         best = min(fits, key=lambda t: std[t]["kld_mean"]) if fits else None
         row = {"budget_bpw": b, "bits_per_weight": a["bits_per_weight"], "file_bits_per_weight": 8 * a["bytes"] / weights,
                **{arm: {k: v for k, v in d.items() if k not in ("path", "per_window")} for arm, d in arms.items()},
                "held_vs_free_gates": paired_ratio(arms["gates_held"]["per_window"], a["per_window"]),
+               "proxy_vs_measured": paired_ratio(arms["proxy"]["per_window"], a["per_window"]),
                "best_standard": best}
         if best:
             row["allocator_vs_best_standard"] = paired_ratio(a["per_window"], std[best]["per_window"])
+            p_fits = [t for t in UNIFORM if std[t]["bytes"] <= arms["proxy"]["bytes"]]
+            if p_fits:
+                p_best = min(p_fits, key=lambda t: std[t]["kld_mean"])
+                row["proxy_vs_best_standard"] = {"standard": p_best, **paired_ratio(arms["proxy"]["per_window"],
+                                                                                    std[p_best]["per_window"])}
             row["speed_vs_best_standard"] = speed_pair(a["path"], std[best]["path"])
         rows.append(row)
         for d in arms.values():
@@ -111,7 +120,10 @@ def run_twin(work: Path, name: str, model: Path, cache: Path) -> dict:
     for d in std.values():
         shutil.rmtree(d["path"])
     shutil.rmtree(fp32)
-    return {"twin": name, "weights": weights,
+    from quantgate.quant.allocate_onnx import BASE
+    rank = {"all_options": rank_agreement(delta["allocator"], delta["proxy"], base=BASE),
+            "int4/32": rank_agreement(delta["allocator"], delta["proxy"], ["int4/32"], base=BASE)}
+    return {"twin": name, "weights": weights, "proxy_rank_agreement": rank,
             "standard": {t: {k: v for k, v in d.items() if k not in ("path", "per_window")} for t, d in std.items()},
             "budgets": rows}
 
@@ -153,6 +165,26 @@ def write_tables(result: dict) -> None:
                              f"({r['file_bits_per_weight']:.2f}) | {a['kld_mean']:.4g} "
                              f"[{ci[0]:.4g}, {ci[1]:.4g}] | {a['kld_p99']:.4g} [{p99[0]:.4g}, {p99[1]:.4g}] | {cmp} | "
                              f"{h['ratio']:.3f} [{h['ci95'][0]:.3f}, {h['ci95'][1]:.3f}] |")
+        if any("proxy_rank_agreement" in tw for tw in e["twins"]):
+            lines += ["", "The weight-error proxy (`--sensitivity proxy`: ORT's block quantizer on 256 sampled columns "
+                      "per node, no calibration) against the measured sensitivity: Spearman's rho over (node, option) "
+                      "pairs and across nodes at int4/32 [95% bootstrap over nodes]; its allocation's KLD over the "
+                      "measured allocation's at the same budget [95%], and over the best uniform recipe no larger.", "",
+                      "| twin | rho, all pairs | rho at int4/32 | " + " | ".join(f"proxy/measured at {b}" for b in BUDGETS)
+                      + " | " + " | ".join(f"proxy/uniform at {b}" for b in BUDGETS) + " |",
+                      "|---|---|---|" + "---|" * (2 * len(BUDGETS))]
+            for tw in e["twins"]:
+                if "proxy_rank_agreement" not in tw:
+                    continue
+                ra, r1 = tw["proxy_rank_agreement"]["all_options"], tw["proxy_rank_agreement"]["int4/32"]
+
+                def c(x):
+                    return f"{x['ratio']:.3f} [{x['ci95'][0]:.3f}, {x['ci95'][1]:.3f}]" if x else "-"
+                lines.append(f"| {tw['twin']} | {ra['rho']:.3f} [{ra['ci95'][0]:.3f}, {ra['ci95'][1]:.3f}] | "
+                             f"{r1['rho']:.3f} [{r1['ci95'][0]:.3f}, {r1['ci95'][1]:.3f}] | "
+                             + " | ".join(c(r.get("proxy_vs_measured")) for r in tw["budgets"]) + " | "
+                             + " | ".join((r["proxy_vs_best_standard"]["standard"] + " " + c(r["proxy_vs_best_standard"]))
+                                          if r.get("proxy_vs_best_standard") else "-" for r in tw["budgets"]) + " |")
         lines += ["", "The uniform recipes (folder bits per weight: then mean KLD [95%]):", "",
                   "| twin | " + " | ".join(UNIFORM) + " |", "|---|" + "---|" * len(UNIFORM)]
         for tw in e["twins"]:

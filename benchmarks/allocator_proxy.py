@@ -57,11 +57,12 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
 
 
-def rank_agreement(measured: dict, proxy: dict, types: list[str] | None = None, n: int = 2000, seed: int = 0) -> dict:
+def rank_agreement(measured: dict, proxy: dict, types: list[str] | None = None, n: int = 2000, seed: int = 0,
+                   base: str = "Q8_0") -> dict:
     """Spearman's rho between measured and proxy deltas over (tensor, type) pairs (types other than the base, or
     `types`), with a 95% bootstrap interval resampling tensors."""
     names = sorted(measured)
-    pairs = [(i, t) for i, nm in enumerate(names) for t in measured[nm] if t != "Q8_0" and (types is None or t in types)
+    pairs = [(i, t) for i, nm in enumerate(names) for t in measured[nm] if t != base and (types is None or t in types)
              and t in proxy[nm]]
     m = np.array([measured[names[i]][t] for i, t in pairs])
     p = np.array([proxy[names[i]][t] for i, t in pairs])
