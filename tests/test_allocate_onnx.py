@@ -156,11 +156,11 @@ def test_the_proxy_dequantizes_orts_blocks_as_matmulnbits_reads_them(tmp_path):
     identity, for both bits and two block sizes, including a K that is no multiple of the block."""
     import onnxruntime as ort
     from onnx import TensorProto, helper
-    from quantgate.quant.ort_weight_only import _block_quantizer
+    from quantgate.quant.ort_weight_only import block_quantizer
     rng = np.random.default_rng(0)
     for bits, block, k in ((4, 32, 96), (8, 32, 96), (4, 128, 256), (8, 64, 80)):
         w = rng.standard_normal((k, 24)).astype(np.float32)
-        packed, scales, _ = _block_quantizer(bits, block).qbits_block_quant(w)
+        packed, scales, _ = block_quantizer(bits, block).qbits_block_quant(w)
         node = helper.make_node("MatMulNBits", ["x", "b", "s"], ["y"], domain="com.microsoft", K=k, N=24, bits=bits,
                                 block_size=block, accuracy_level=0)
         g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [k, k])],
@@ -185,3 +185,18 @@ def test_onnx_proxy_allocation_within_the_budget(export, tmp_path):
     assert json.loads((out / "quantgate.json").read_text())["quantization"]["sensitivity"] == "proxy"
     with OrtRunner(out) as runner:
         assert np.isfinite(runner.logits(W)).all()
+
+
+def test_a_target_size_is_the_folders_bytes(export, tmp_path):
+    """`--target-size`: model.onnx and its data come out no larger than asked, though every MatMulNBits node adds
+    names and attributes to the graph the budget cannot see until it is written."""
+    from quantgate.formats.onnx_io import onnx_bytes
+    graph = ao.units_of(export / "model.onnx")
+    lo = sum(min(u.bytes(o) for o in u.candidates()) for u in graph.units)
+    hi = sum(max(u.bytes(o) for o in u.candidates()) for u in graph.units)
+    target = onnx_bytes(export) - graph.unit_float_bytes + (lo + hi) // 2
+    out = tmp_path / "sized"
+    r = run_cli("quantize", str(export), "--target-size", str(target), "--sensitivity", "proxy", "--out", str(out),
+                "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert onnx_bytes(out) <= target and json.loads(r.stdout)["bytes"] == onnx_bytes(out)

@@ -46,12 +46,13 @@ from ..runners.open import fixed_ctx, open_runner
 from ..tokenizer import load_tokenizer
 from .allocate import Allocation, Sensitivity, allocate, held_gates
 from .ort import GATE_MATMULS, KEPT_FLOAT, side_files
-from .ort_weight_only import Spec, quantize_weight_only, tied_head
+from .ort_weight_only import Spec, block_quantizer, quantize_weight_only, tied_head, weight_array
 
 OPTIONS = ("int4/128", "int4/64", "int4/32", "int8/128", "int8/64", "int8/32")  # bits/block of MatMulNBits
 BASE = "int8/32"  # every unit's option while another one is measured
 SCALE_BITS = 32  # an fp32 scale per block (the export is fp32; ORT writes the scales in the weight's dtype)
 MEASURE_ABOVE = 100_000_000  # weights: --sensitivity auto measures below, takes the proxy above (hours to measure)
+NODE_BYTES = 512  # what a MatMulNBits node and its initializers' names add to model.onnx, at most
 PROXY_ROWS = 256  # output columns sampled per weight, as the GGUF proxy samples rows
 
 
@@ -193,13 +194,12 @@ def proxy_sensitivity(path: Path, graph: Graph, rows: int = PROXY_ROWS, seed: in
     GGUF proxy (quant.proxy), for exports too large to measure; no calibration run, no importance weights, and as
     weak a stand-in as that one (its files carried 2-3x the KLD of measured ones on the GGUF benchmark pair)."""
     import onnx
-    from .ort_weight_only import _array, _block_quantizer
     inits = {t.name: t for t in onnx.load(str(path), load_external_data=False).graph.initializer}
     rng = np.random.default_rng(seed)
     quantizers: dict = {}
     delta = {}
     for u in track(graph.units, "weight error: one node at a time", total=len(graph.units)):
-        a = _array(inits[u.weight], path.parent)
+        a = weight_array(inits[u.weight], path.parent)
         pick = np.sort(rng.choice(u.n, size=min(rows, u.n), replace=False))
         w = np.ascontiguousarray((a[pick].T if u.name == graph.embed else a[:, pick]), dtype=np.float32)  # [K, rows]
         del a
@@ -207,7 +207,7 @@ def proxy_sensitivity(path: Path, graph: Graph, rows: int = PROXY_ROWS, seed: in
         for o in u.candidates():
             bits, block = spec(o)
             if (bits, block) not in quantizers:
-                quantizers[bits, block] = _block_quantizer(bits, block)
+                quantizers[bits, block] = block_quantizer(bits, block)
             packed, scales, _zp = quantizers[bits, block].qbits_block_quant(w)
             err[o] = float(((w - dequantize_blocks(packed, scales, bits, block, u.k)) ** 2).sum()) * u.n / len(pick)
         delta[u.name] = {o: e - err[BASE] for o, e in err.items()}
@@ -275,8 +275,10 @@ def allocate_onnx(src: str | Path, out: str | Path, target_bpw: float | None = N
     graph = units_of(path)
     weights = sum(u.n_elements for u in graph.units)
     other_weights = 4 * (graph.total_elements - weights)  # norms, float MatMuls: fp32 as exported
-    # in bytes, the rest of the folder counts too (the graph's nodes and names)
-    other = other_weights if target_bytes is None else onnx_bytes(model_dir) - graph.unit_float_bytes
+    # in bytes, the rest of the folder counts too: the export's nodes and names, and what each MatMulNBits node adds
+    # to them (its name, attributes and two initializers' names: NODE_BYTES, an upper bound)
+    other = other_weights if target_bytes is None else (onnx_bytes(model_dir) - graph.unit_float_bytes
+                                                        + NODE_BYTES * len(graph.units))
     budget = budget_bytes(graph, other, target_bpw, target_bytes)
     if sensitivity not in ("auto", "measured", "proxy"):
         raise QuantgateError(f"--sensitivity must be auto, measured or proxy, got {sensitivity!r}")
@@ -300,6 +302,9 @@ def allocate_onnx(src: str | Path, out: str | Path, target_bpw: float | None = N
             "options": plan.types}})
         check_written(tmp, out)
         size = onnx_bytes(tmp)
+        if target_bytes is not None and size > target_bytes:  # the margin is an estimate: the file is the truth
+            raise QuantgateError(f"the allocated graph is {size:,} bytes, over the target {target_bytes:,}; "
+                                 f"nothing was written (lower the target by {size - target_bytes:,} bytes)")
         summary = {"src": str(path), "out": str(out), "target_bpw": target_bpw, "target_bytes": target_bytes,
                    "bytes": size, "bits_per_weight": round(8 * (plan.unit_bytes + other_weights) / graph.total_elements, 4),
                    "sensitivity_kind": sens.kind, "predicted_kld": plan.predicted_kld if measured else None,

@@ -31,7 +31,7 @@ CHUNK = 64 << 20  # bytes written at a time when a tied head is transposed
 UNTIED = "model.lm_head.weight_T"
 
 
-def _array(t, base: Path) -> np.ndarray:
+def weight_array(t, base: Path) -> np.ndarray:
     """Weight `t` as a read-only array: mapped from its external data file, or over its inline bytes."""
     from onnx import helper
     dtype, shape = helper.tensor_dtype_to_np_dtype(t.data_type), tuple(t.dims)
@@ -43,7 +43,7 @@ def _array(t, base: Path) -> np.ndarray:
 
 def _transposed(t, base: Path, scratch: Path) -> np.ndarray:
     """`t`.T written to `scratch` a block of columns at a time, mapped back: the tied head's [D, V] weight."""
-    a = _array(t, base)
+    a = weight_array(t, base)
     step = max(1, CHUNK // (a.itemsize * a.shape[0]))
     with open(scratch, "wb") as f:
         for c in range(0, a.shape[1], step):
@@ -116,14 +116,14 @@ def quantize_weight_only(src: Path, dst: Path, spec_of: Callable[[str], Spec | N
             counts[spec[0] if spec else None] += 1
             if tied:
                 node.input[1] = b_name = UNTIED
-            w = _transposed(inits[untie[0]], base, scratch) if tied else _array(b, base)
+            w = _transposed(inits[untie[0]], base, scratch) if tied else weight_array(b, base)
             if spec is None:
                 new_nodes.append(node)
                 if tied:
                     new_inits.append(writer.put(numpy_helper.from_array(np.asarray(w), UNTIED)))
             else:
                 if spec not in quantizers:
-                    quantizers[spec] = _block_quantizer(*spec)
+                    quantizers[spec] = block_quantizer(*spec)
                 qnode, protos = _matmul_nbits(node, b_name, w, quantizers[spec], writer, *spec)
                 new_nodes.append(qnode)
                 new_inits.extend(protos)
@@ -151,7 +151,7 @@ def quantize_weight_only(src: Path, dst: Path, spec_of: Callable[[str], Spec | N
     return {"int4": counts[4], "int8": counts[8], "float": counts[None]}
 
 
-def _block_quantizer(bits: int, block_size: int):
+def block_quantizer(bits: int, block_size: int):
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
     return DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=True,
                                                                    accuracy_level=4, bits=bits))
@@ -164,8 +164,8 @@ def quantize_embedding(node, table, base: Path, writer: DataWriter, bits: int, b
     shared_head). The packed rows are [V, D * bits / 8] and the zero point is implicit (2^(bits-1)), as
     GatherBlockQuantized reads uint8 data. Quantized a block of rows at a time from the mapped table."""
     from onnx import helper, numpy_helper
-    quantizer = _block_quantizer(bits, block_size)
-    a = _array(table, base)
+    quantizer = block_quantizer(bits, block_size)
+    a = weight_array(table, base)
     V, D = a.shape
     step = max(1, CHUNK // (4 * D))
     packed, scales = [], []
