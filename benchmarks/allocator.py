@@ -77,15 +77,15 @@ def paired_ratio(a: list[float], b: list[float], n: int = 4000, seed: int = 0) -
     return {"ratio": float(a.mean() / b.mean()), "ci95": [float(lo), float(hi)]}
 
 
-def speed_pair(alloc: Path, std: Path) -> dict:
-    """Prefill and decode tok/s of both files, rounds alternated (the runners' bench protocol), and the per-round
-    ratios allocator / standard: median, min and max."""
+def speed_pair(alloc: Path, std: Path, kv: str = SPEED["kv"]) -> dict:
+    """Prefill and decode tok/s of both files (or ONNX folders: `kv` "f32", the cache as exported), rounds
+    alternated (the runners' bench protocol), and the per-round ratios allocator / standard: median, min and max."""
     from quantgate.runners.bench import bench
     from quantgate.runners.open import fixed_ctx, open_runner
     ids = list(np.random.default_rng(0).integers(3, 200, size=SPEED["prefill"] + SPEED["decode"]))
     n = SPEED["prefill"] + SPEED["decode"]
-    a = open_runner(str(alloc), fixed_ctx(n, alloc), kv_type=SPEED["kv"], threads=SPEED["threads"], logits_all=False)
-    s = open_runner(str(std), fixed_ctx(n, std), kv_type=SPEED["kv"], threads=SPEED["threads"], logits_all=False)
+    a = open_runner(str(alloc), fixed_ctx(n, alloc), kv_type=kv, threads=SPEED["threads"], logits_all=False)
+    s = open_runner(str(std), fixed_ctx(n, std), kv_type=kv, threads=SPEED["threads"], logits_all=False)
     with a.runner as ra, s.runner as rs:
         ba, bs = bench([ra, rs], ids[:SPEED["prefill"]], ids[SPEED["prefill"]:], rounds=SPEED["rounds"], warmup=1)
     out = {}
@@ -229,17 +229,39 @@ def _weights(f32: Path) -> int:
     return sum(int(np.prod([int(d) for d in t.shape])) for t in open_reader(f32).tensors)
 
 
+def run_words(entry: dict) -> str:
+    """What ran and what the KLD is measured on, the opening of every entry's table (this one's and
+    allocator_onnx's)."""
+    return (f"`{entry['command']}` at {entry['commit']} ({entry['seconds'] / 60:.0f} min); twins: `{entry['train']}`; "
+            f"KLD against the float twin on {EVAL['windows']} windows of {EVAL['ctx']} tokens of the embedded corpus's "
+            f"test split")
+
+
+def protocol_words(runtime: str, kv: str) -> str:
+    return (f"Ratios: mean KLD, paired window bootstrap, 95% interval. Speed: {runtime}, {SPEED['threads']} thread, "
+            f"{kv}, prefill {SPEED['prefill']} then decode {SPEED['decode']}, median per-round ratio of "
+            f"{SPEED['rounds']} alternated rounds [min, max].")
+
+
+def compare_cells(r: dict) -> str:
+    """A budget row's cells against the best standard type (or uniform recipe) no larger: its name, the KLD ratio
+    with its interval, decode and prefill ratios with their per-round ranges."""
+    if not r["best_standard"]:
+        return "none this small | - | - | -"
+    c, sp = r["allocator_vs_best_standard"], r["speed_vs_best_standard"]
+    return (f"{r['best_standard']} | {c['ratio']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}] | "
+            f"{sp['decode']['ratio_median']:.3f} [{sp['decode']['ratio_range'][0]:.2f}, "
+            f"{sp['decode']['ratio_range'][1]:.2f}] | {sp['prefill']['ratio_median']:.3f} "
+            f"[{sp['prefill']['ratio_range'][0]:.2f}, {sp['prefill']['ratio_range'][1]:.2f}]")
+
+
 def write_tables(result: dict) -> None:
     lines = ["# Allocator vs llama.cpp's standard types, 3.5 to 6.5 bits per weight", ""]
     for arch, entry in result["archs"].items():
         lines += [f"## {arch} twins", "",
-                  f"`{entry['command']}` at {entry['commit']} ({entry['seconds'] / 60:.0f} min); twins: "
-                  f"`{entry['train']}`; KLD against the float twin on {EVAL['windows']} windows of {EVAL['ctx']} "
-                  f"tokens of the embedded corpus's test split; sensitivity and importance matrix on "
-                  f"{CALIB['windows']} calibration windows of {CALIB['ctx']} tokens (valid split). Ratios: mean KLD, "
-                  f"paired window bootstrap, 95% interval. Speed: llama.cpp, {SPEED['threads']} thread, F16 KV, "
-                  f"prefill {SPEED['prefill']} then decode {SPEED['decode']}, median per-round ratio of "
-                  f"{SPEED['rounds']} alternated rounds [min, max].", "",
+                  f"{run_words(entry)}; sensitivity and importance matrix on "
+                  f"{CALIB['windows']} calibration windows of {CALIB['ctx']} tokens (valid split). "
+                  f"{protocol_words('llama.cpp', 'F16 KV')}", "",
                   "| twin | imatrix | budget | bpw | KLD allocator [95%] | KLD p99 [95%] | best standard <= size | alloc/standard "
                   "KLD | decode alloc/std | prefill alloc/std | gates held/free |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for tw in entry["twins"]:
@@ -252,14 +274,7 @@ def write_tables(result: dict) -> None:
                     a, h = r["allocator"], r["held_vs_free_gates"]
                     ci = a["kld_mean_ci95"] or [float("nan")] * 2
                     p99 = a["kld_p99_ci95"] or [float("nan")] * 2
-                    if r["best_standard"]:
-                        c, sp = r["allocator_vs_best_standard"], r["speed_vs_best_standard"]
-                        cmp = (f"{r['best_standard']} | {c['ratio']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}] | "
-                               f"{sp['decode']['ratio_median']:.3f} [{sp['decode']['ratio_range'][0]:.2f}, "
-                               f"{sp['decode']['ratio_range'][1]:.2f}] | {sp['prefill']['ratio_median']:.3f} "
-                               f"[{sp['prefill']['ratio_range'][0]:.2f}, {sp['prefill']['ratio_range'][1]:.2f}]")
-                    else:
-                        cmp = "none this small | - | - | -"
+                    cmp = compare_cells(r)
                     lines.append(f"| {tw['twin']} | {'yes' if var == 'imatrix' else 'no'} | {r['budget_bpw']} | "
                                  f"{r['bits_per_weight']:.3f} | {a['kld_mean']:.4g} [{ci[0]:.4g}, {ci[1]:.4g}] | "
                                  f"{a['kld_p99']:.4g} [{p99[0]:.4g}, {p99[1]:.4g}] | "

@@ -31,13 +31,13 @@ from pathlib import Path
 
 import numpy as np
 
-from allocator import CALIB, EVAL, RECIPES, RESULTS, cli, paired_ratio
+from allocator import (CALIB, EVAL, RECIPES, RESULTS, SPEED, cli, compare_cells, paired_ratio, protocol_words,
+                       run_words, speed_pair)
 from allocator_proxy import rank_agreement
 
 UNIFORM = {"int4/128": ("int4", 128), "int4/64": ("int4", 64), "int4/32": ("int4", 32),
            "int8/128": ("int8-weight", 128), "int8/32": ("int8-weight", 32)}
 BUDGETS = (4.5, 5.0, 5.5, 6.5, 8.0)
-SPEED = dict(prefill=128, decode=128, rounds=9, threads=1)
 
 
 def folder_bytes(d: Path) -> int:
@@ -50,23 +50,6 @@ def evaluate(d: Path, ref: Path, cache: Path) -> dict:
                          "--max-windows", EVAL["windows"], "--json", env={"QUANTGATE_CACHE": str(cache)}))
     return {"kld_mean": out["kld_mean"], "kld_mean_ci95": out.get("kld_mean_ci95"), "kld_p99": out["kld_p99"],
             "kld_p99_ci95": out.get("kld_p99_ci95"), "per_window": out["per_window"]["kld"], "bytes": folder_bytes(d)}
-
-
-def speed_pair(alloc: Path, std: Path) -> dict:
-    from quantgate.runners.bench import bench
-    from quantgate.runners.open import fixed_ctx, open_runner
-    n = SPEED["prefill"] + SPEED["decode"]
-    ids = list(np.random.default_rng(0).integers(3, 200, size=n))
-    a = open_runner(str(alloc), fixed_ctx(n, alloc), threads=SPEED["threads"])
-    s = open_runner(str(std), fixed_ctx(n, std), threads=SPEED["threads"])
-    with a.runner as ra, s.runner as rs:
-        ba, bs = bench([ra, rs], ids[:SPEED["prefill"]], ids[SPEED["prefill"]:], rounds=SPEED["rounds"], warmup=1)
-    out = {}
-    for phase in ("prefill", "decode"):
-        r = np.asarray(bs[f"{phase}_rounds_s"]) / np.asarray(ba[f"{phase}_rounds_s"])
-        out[phase] = {"allocator_tps": ba[f"{phase}_tps"], "standard_tps": bs[f"{phase}_tps"],
-                      "ratio_median": float(np.median(r)), "ratio_range": [float(r.min()), float(r.max())]}
-    return out
 
 
 def run_twin(work: Path, name: str, model: Path, cache: Path) -> dict:
@@ -109,7 +92,7 @@ def run_twin(work: Path, name: str, model: Path, cache: Path) -> dict:
                 p_best = min(p_fits, key=lambda t: std[t]["kld_mean"])
                 row["proxy_vs_best_standard"] = {"standard": p_best, **paired_ratio(arms["proxy"]["per_window"],
                                                                                     std[p_best]["per_window"])}
-            row["speed_vs_best_standard"] = speed_pair(a["path"], std[best]["path"])
+            row["speed_vs_best_standard"] = speed_pair(a["path"], std[best]["path"], kv="f32")
         rows.append(row)
         for d in arms.values():
             shutil.rmtree(d["path"])
@@ -138,29 +121,19 @@ def write_tables(result: dict) -> None:
     lines = ["# ONNX allocator vs ONNX Runtime's uniform MatMulNBits recipes", ""]
     for arch, e in result["archs"].items():
         lines += [f"## {arch} twins", "",
-                  f"`{e['command']}` at {e['commit']} ({e['seconds'] / 60:.0f} min); twins: `{e['train']}`; KLD "
-                  f"against the float twin (PyTorch fp32) on {EVAL['windows']} windows of {EVAL['ctx']} tokens of the "
-                  f"embedded corpus's test split; sensitivity on {CALIB['windows']} calibration windows of "
+                  f"{run_words(e)} (PyTorch fp32); sensitivity on {CALIB['windows']} calibration windows of "
                   f"{CALIB['ctx']} tokens (valid split). bpw: the allocation's weight bytes (packed blocks, scales, "
                   f"float norms) over every weight, as `--target-bpw` counts them; folder bpw: model.onnx and its data "
                   f"(the graph's nodes and names too) over every weight, as the uniform recipes are shown and "
-                  f"compared (the best uniform recipe is the one with the lowest KLD whose folder is no larger). Ratios: mean KLD, paired window bootstrap, 95% interval. "
-                  f"Speed: ONNX Runtime, {SPEED['threads']} thread, prefill {SPEED['prefill']} then decode "
-                  f"{SPEED['decode']}, median per-round ratio of {SPEED['rounds']} alternated rounds [min, max].", "",
+                  f"compared (the best uniform recipe is the one with the lowest KLD whose folder is no larger). "
+                  f"{protocol_words('ONNX Runtime', 'fp32 KV')}", "",
                   "| twin | budget | bpw (folder) | KLD allocator [95%] | KLD p99 [95%] | best uniform <= size | alloc/uniform KLD | "
                   "decode alloc/uniform | prefill alloc/uniform | gates held/free |", "|---|---|---|---|---|---|---|---|---|---|"]
         for tw in e["twins"]:
             for r in tw["budgets"]:
                 a, h = r["allocator"], r["held_vs_free_gates"]
                 ci, p99 = a["kld_mean_ci95"], a["kld_p99_ci95"]
-                if r["best_standard"]:
-                    c, sp = r["allocator_vs_best_standard"], r["speed_vs_best_standard"]
-                    cmp = (f"{r['best_standard']} | {c['ratio']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}] | "
-                           f"{sp['decode']['ratio_median']:.3f} [{sp['decode']['ratio_range'][0]:.2f}, "
-                           f"{sp['decode']['ratio_range'][1]:.2f}] | {sp['prefill']['ratio_median']:.3f} "
-                           f"[{sp['prefill']['ratio_range'][0]:.2f}, {sp['prefill']['ratio_range'][1]:.2f}]")
-                else:
-                    cmp = "none this small | - | - | -"
+                cmp = compare_cells(r)
                 lines.append(f"| {tw['twin']} | {r['budget_bpw']} | {r['bits_per_weight']:.3f} "
                              f"({r['file_bits_per_weight']:.2f}) | {a['kld_mean']:.4g} "
                              f"[{ci[0]:.4g}, {ci[1]:.4g}] | {a['kld_p99']:.4g} [{p99[0]:.4g}, {p99[1]:.4g}] | {cmp} | "
@@ -222,7 +195,7 @@ def main() -> None:
             "command": f"python benchmarks/allocator_onnx.py --arch {args.arch} --steps {args.steps}", "commit": commit,
             "train": "quantgate train " + " ".join(map(str, recipe)),
             "eval": {**EVAL, "split": "test", "reference": "the float twin (PyTorch, fp32)"},
-            "calibration": {**CALIB, "data": "embedded", "split": "valid"}, "speed": SPEED,
+            "calibration": {**CALIB, "data": "embedded", "split": "valid"}, "speed": {**SPEED, "kv": "f32 (as exported)"},
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_at_end": os.getloadavg()},
             "seconds": round(time.perf_counter() - t0, 1), "twins": twins}
         path.write_text(json.dumps(result, indent=1) + "\n")
