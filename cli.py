@@ -444,14 +444,16 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
                                  "--scheme and --gate-bits")
         from quantgate.quant.targets import parse_floor, parse_size
         if backend == "onnxruntime":
-            for flag, given in (("--decode-floor", decode_floor), ("--imatrix", imatrix), ("--types", alloc_types)):
+            for flag, given in (("--imatrix", imatrix), ("--types", alloc_types)):
                 if given:
                     raise QuantgateError(f"{flag} applies to a GGUF allocation (an ONNX allocation chooses MatMulNBits "
                                          f"bits and block sizes)")
-            from quantgate.quant.allocate_onnx import allocate_onnx
+            from quantgate.quant.allocate_onnx import OPTIONS, allocate_onnx
+            floor = parse_floor(decode_floor, references=OPTIONS, kind="a uniform option") if decode_floor else None
             summary = allocate_onnx(model, out, target_bpw, parse_size(target_size) if target_size else None,
-                                    calib_data, calib_windows, ctx, seed, threads, hold_gates, sensitivity)
-            _emit(summary if as_json else {k: v for k, v in summary.items() if k != "sensitivity"}, as_json)
+                                    calib_data, calib_windows, ctx, seed, threads, hold_gates, sensitivity, floor)
+            _emit(summary if as_json else {k: v for k, v in summary.items() if k not in ("sensitivity", "decode_cost")},
+                  as_json)
             return
         from quantgate.quant.allocate import allocate_gguf, parse_types
         floor = parse_floor(decode_floor) if decode_floor else None

@@ -108,7 +108,8 @@ def test_quantize_target_bpw_on_an_onnx_export(export, tmp_path):
 @pytest.mark.parametrize("args, needle", [
     (["--target-bpw", "3"], "below the smallest graph"),
     (["--target-size", "10MB"], "not below the fp32 export"),
-    (["--target-bpw", "5", "--decode-floor", "40"], "--decode-floor applies to a GGUF allocation"),
+    (["--target-bpw", "5", "--decode-floor", "Q4_K_M"], "a uniform option (int4/32)"),
+    (["--target-bpw", "5", "--decode-floor", "1e9"], "give tok/s"),
     (["--target-bpw", "5", "--types", "Q4_K"], "--types applies to a GGUF allocation"),
     (["--target-bpw", "5", "--scheme", "int4"], "replace --type, --scheme"),
 ])
@@ -200,3 +201,20 @@ def test_a_target_size_is_the_folders_bytes(export, tmp_path):
                 "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     assert onnx_bytes(out) <= target and json.loads(r.stdout)["bytes"] == onnx_bytes(out)
+
+
+def test_an_onnx_decode_floor_is_met_as_predicted_and_one_out_of_reach_is_one_line(export, tmp_path):
+    """`--decode-floor int4/32` (or a fraction of it, or tok/s): per-option decode timings taken here, the graph
+    predicted at least that fast, the floor in the folder's metadata; a floor no allocation reaches is one line."""
+    out = tmp_path / "floored"
+    r = run_cli("quantize", str(export), "--target-bpw", "6", "--sensitivity", "proxy", "--decode-floor",
+                "0.9xINT4/32", "--threads", "1", "--out", str(out), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads(r.stdout)
+    assert s["decode_floor"] == "0.9xint4/32" and s["predicted_decode_tps"] >= s["floor_tps"] * (1 - 1e-9)
+    assert set(s["decode_cost"]["measured_s"]) == set(ao.OPTIONS)
+    assert "decode_floor" in json.loads((out / "quantgate.json").read_text())["quantization"]
+    far = run_cli("quantize", str(export), "--target-bpw", "6", "--sensitivity", "proxy", "--decode-floor", "1000000",
+                  "--threads", "1", "--out", str(tmp_path / "far"))
+    _refused(far, "decode floor out of reach")
+    assert not (tmp_path / "far").exists()

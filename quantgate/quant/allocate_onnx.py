@@ -45,8 +45,10 @@ from ..reference import cache_dir
 from ..runners.open import fixed_ctx, open_runner
 from ..tokenizer import load_tokenizer
 from .allocate import Allocation, Sensitivity, allocate, held_gates
+from .decode_cost import SPEED, DecodeCost, decode_seconds
 from .ort import GATE_MATMULS, KEPT_FLOAT, side_files
 from .ort_weight_only import Spec, block_quantizer, quantize_weight_only, tied_head, weight_array
+from .targets import DecodeFloor
 
 OPTIONS = ("int4/128", "int4/64", "int4/32", "int8/128", "int8/64", "int8/32")  # bits/block of MatMulNBits
 BASE = "int8/32"  # every unit's option while another one is measured
@@ -227,6 +229,39 @@ def dequantize_blocks(packed: np.ndarray, scales: np.ndarray, bits: int, block: 
     return np.ascontiguousarray(w.reshape(n, nb * block)[:, :k].T)
 
 
+def measure_decode_cost(path: Path, model_dir: Path, graph: Graph, threads: int | None) -> DecodeCost:
+    """Decode seconds per token of one graph per option (every unit that takes it at it, the rest at BASE), timed
+    in alternated rounds by ONNX Runtime with `threads` (quant.decode_cost's protocol), as extra seconds per unit
+    element over BASE; a uniform option is its own reference, so `--decode-floor int4/32` means as fast as ORT's
+    int4 recipe in blocks of 32. Cached by the export's content, the threads and this machine."""
+    import os
+    import platform
+    k = key("decode-cost-onnx", content_id(model_dir), code_id(), BASE, threads, SPEED,
+            [(u.name, u.candidates()) for u in graph.units], platform.node(), os.cpu_count())
+    cached = cache_dir() / f"decode-onnx-{k}.json"
+    if cached.is_file():
+        d = json.loads(cached.read_text())
+        return DecodeCost(d["base_s"], d["extra_s_per_element"], d["reference_s"], d["threads"], d["measured_s"])
+    meta = read_meta(model_dir)
+    with tempfile.TemporaryDirectory(prefix="quantgate-speed-onnx-") as work:
+        folders = {}
+        for o in OPTIONS:
+            folders[o] = Path(work) / o.replace("/", "-")
+            folders[o].mkdir()
+            write_graph(path, model_dir, folders[o], graph, {u.name: o if o in u.candidates() else BASE
+                                                              for u in graph.units},
+                        {**meta, "quantization": {"scheme": "probe"}})
+        seconds = decode_seconds(folders, threads, kv="f32")
+    extra = {}
+    for o in OPTIONS:
+        n = sum(u.n_elements for u in graph.units if o in u.candidates())
+        if n:
+            extra[o] = (seconds[o] - seconds[BASE]) / n if o != BASE else 0.0
+    cost = DecodeCost(seconds[BASE], extra, dict(seconds), threads, seconds)
+    write_json(cached, cost.to_dict())
+    return cost
+
+
 def budget_bytes(graph: Graph, other_bytes: int, target_bpw: float | None, target_bytes: int | None) -> int:
     """The units' byte budget for a target in bits per weight (over every fp32 initializer) or in folder bytes
     (model.onnx and its data); one line naming the reachable range when the target is outside it."""
@@ -253,12 +288,15 @@ def budget_bytes(graph: Graph, other_bytes: int, target_bpw: float | None, targe
 
 def allocate_onnx(src: str | Path, out: str | Path, target_bpw: float | None = None, target_bytes: int | None = None,
                   calib_data: str = "embedded", calib_windows: int = 8, ctx: int = 128, seed: int = 0,
-                  threads: int | None = None, hold_gates: bool = False, sensitivity: str = "auto") -> dict:
+                  threads: int | None = None, hold_gates: bool = False, sensitivity: str = "auto",
+                  decode_floor: DecodeFloor | None = None) -> dict:
     """Write the ONNX folder `out` from the fp32 export `src` with each MatMulNBits node's bits and block size
     chosen under the target (bits per weight over every weight, or folder bytes) to minimise the measured KLD;
     `hold_gates`: the gate units at the allocation's base option (the A/B's held arm); `sensitivity`: "measured"
     (each node's KLD), "proxy" (its weight error: for exports too large to measure) or "auto" (measured up to
-    MEASURE_ABOVE weights). Returns the summary, also written to `out`/allocation.json."""
+    MEASURE_ABOVE weights); `decode_floor`: the graph's decode speed, predicted from per-option timings taken here
+    with `threads` (measure_decode_cost), must not fall below it. Returns the summary, also written to
+    `out`/allocation.json."""
     if (target_bpw is None) == (target_bytes is None):
         raise QuantgateError("give one target: --target-bpw or --target-size")
     if target_bpw is not None and not 1.0 <= target_bpw <= 32.0:
@@ -288,9 +326,13 @@ def allocate_onnx(src: str | Path, out: str | Path, target_bpw: float | None = N
         sens = proxy_sensitivity(path, graph, seed=seed)
     else:
         sens = measure_sensitivity(path, model_dir, graph, calib_data, calib_windows, ctx, seed, threads)
-    plan: Allocation = allocate(graph.units, sens, budget)
+    cost = limit = None
+    if decode_floor is not None:
+        cost = measure_decode_cost(path, model_dir, graph, threads)
+        limit = cost.limit_s(decode_floor)
+    plan: Allocation = allocate(graph.units, sens, budget, None, cost, limit)
     if hold_gates:
-        plan = allocate(graph.units, sens, budget, held_gates(graph.units, plan))
+        plan = allocate(graph.units, sens, budget, held_gates(graph.units, plan), cost, limit)
     target = f"{target_bpw:g} bpw" if target_bpw is not None else f"{target_bytes} bytes"
     measured = sens.kind == "measured"
     with atomic_dir(out, "onnx") as tmp:
@@ -299,7 +341,9 @@ def allocate_onnx(src: str | Path, out: str | Path, target_bpw: float | None = N
             "predicted_kld": plan.predicted_kld if measured else None,
             "calibration": (f"{calib_data}: {sens.windows} windows of {sens.ctx} tokens" if measured
                             else f"weights: {sens.windows} sampled columns per node"), "source": str(path),
-            "options": plan.types}})
+            "options": plan.types,
+            **({"decode_floor": f"{decode_floor} ({1 / limit:.4g} tok/s here)",
+                "predicted_decode_tps": 1 / plan.predicted_decode_s} if cost is not None else {})}})
         check_written(tmp, out)
         size = onnx_bytes(tmp)
         if target_bytes is not None and size > target_bytes:  # the margin is an estimate: the file is the truth
@@ -312,5 +356,8 @@ def allocate_onnx(src: str | Path, out: str | Path, target_bpw: float | None = N
                    "hold_gates": hold_gates, "types": plan.types,
                    "gate_types": {u.name: plan.types[u.name] for u in graph.units if u.is_gate},
                    "sensitivity": sens.to_dict()}
+        if cost is not None:
+            summary.update(decode_floor=str(decode_floor), floor_tps=1 / limit,
+                           predicted_decode_tps=1 / plan.predicted_decode_s, decode_cost=cost.to_dict())
         write_json(tmp / "allocation.json", summary, kind="allocation")
     return summary

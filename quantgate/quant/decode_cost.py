@@ -95,7 +95,7 @@ def measure_decode_cost(src: Path, units, base: str, types: tuple[str, ...], ref
             p = _tmp(work, paths)
             run_quantizer(src, p, reference, [], im, threads=threads)
             files["reference"] = (p, {})
-        seconds = _decode_seconds({k: v[0] for k, v in files.items()}, threads)
+        seconds = decode_seconds({k: v[0] for k, v in files.items()}, threads)
     finally:
         for p in paths:
             p.unlink(missing_ok=True)
@@ -119,11 +119,12 @@ def _tmp(work: Path, paths: list[Path]) -> Path:
     return paths[-1]
 
 
-def _decode_seconds(files: dict[str, Path], threads: int | None) -> dict[str, float]:
-    """Median decode seconds per token of each file, rounds alternated between all of them."""
+def decode_seconds(files: dict[str, Path], threads: int | None, kv: str = SPEED["kv"]) -> dict[str, float]:
+    """Median decode seconds per token of each file (or ONNX folder: `kv` "f32", its cache as exported), rounds
+    alternated between all of them."""
     ids = list(np.random.default_rng(0).integers(3, 200, size=SPEED["prefill"] + SPEED["decode"]))
     n = SPEED["prefill"] + SPEED["decode"]
-    opened = {k: open_runner(str(p), fixed_ctx(n, p), kv_type=SPEED["kv"], threads=threads, logits_all=False)
+    opened = {k: open_runner(str(p), fixed_ctx(n, p), kv_type=kv, threads=threads, logits_all=False)
               for k, p in files.items()}
     runners = [o.runner.__enter__() for o in opened.values()]
     try:

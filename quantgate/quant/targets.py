@@ -39,20 +39,24 @@ class DecodeFloor:
         return f"{self.fraction:g}x{self.reference}" if self.fraction != 1.0 else self.reference
 
 
-def parse_floor(text: str, what: str = "--decode-floor") -> DecodeFloor:
+def parse_floor(text: str, what: str = "--decode-floor", references: tuple[str, ...] = GGUF_FILE_TYPES,
+                kind: str = "a llama.cpp type") -> DecodeFloor:
     """`40` (tok/s), `Q4_K_M`, or `0.95xQ4_K_M` (`0.95*Q4_K_M` too, quoted in a shell); anything else is one line
-    naming the forms."""
+    naming the forms. `references`: the names a floor may be relative to (llama.cpp's types; for an ONNX
+    allocation its uniform options, `int4/32`), matched without regard to case."""
     t = (text or "").strip()
     if re.fullmatch(r"[0-9]*\.?[0-9]+", t):
         if float(t) <= 0:
             raise QuantgateError(f"{what} {text!r}: a speed above 0 tok/s")
         return DecodeFloor(tps=float(t))
-    m = re.fullmatch(r"(?:([0-9]*\.?[0-9]+)\s*[*x]\s*)?([A-Za-z][A-Za-z0-9_]*)", t)
-    if m and m.group(2).upper() in GGUF_FILE_TYPES:
+    names = {r.upper(): r for r in references}
+    m = re.fullmatch(r"(?:([0-9]*\.?[0-9]+)\s*[*x]\s*)?([A-Za-z][A-Za-z0-9_/]*)", t)
+    if m and m.group(2).upper() in names:
+        ref = names[m.group(2).upper()]
         frac = float(m.group(1)) if m.group(1) else 1.0
         if not 0.1 <= frac <= 2.0:
-            raise QuantgateError(f"{what} {text!r}: the fraction of {m.group(2).upper()}'s speed must be "
-                                 f"between 0.1 and 2")
-        return DecodeFloor(reference=m.group(2).upper(), fraction=frac)
-    raise QuantgateError(f"{what} {text!r}: give tok/s (40), a llama.cpp type (Q4_K_M) or a fraction of "
-                         f"one (0.95xQ4_K_M)")
+            raise QuantgateError(f"{what} {text!r}: the fraction of {ref}'s speed must be between 0.1 and 2")
+        return DecodeFloor(reference=ref, fraction=frac)
+    example = references[min(2, len(references) - 1)] if references != GGUF_FILE_TYPES else "Q4_K_M"
+    raise QuantgateError(f"{what} {text!r}: give tok/s (40), {kind} ({example}) or a fraction of one "
+                         f"(0.95x{example})")
