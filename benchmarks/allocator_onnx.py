@@ -12,7 +12,9 @@ benchmarks/allocator.py, the weights are not committed), in a fresh folder remov
    with the 95% window-bootstrap interval; per budget, the paired ratio allocator / the best uniform recipe at <=
    the allocator's size, and held / free gates;
 4. prefill and decode tok/s of the allocated graph and that recipe in ONNX Runtime (one thread, alternated rounds,
-   the runners' bench protocol): median per-round ratio and its range.
+   the runners' bench protocol): median per-round ratio and its range;
+5. the decode floor's arm (on by default, `--no-floor` skips it): `--decode-floor RECIPE --threads 1`, RECIPE that
+   best uniform recipe, scored and timed against it; and the weight-error proxy's arm (`--sensitivity proxy`).
 
     python benchmarks/allocator_onnx.py --arch attention [--steps 300] [--keep-run DIR]
 
@@ -52,7 +54,7 @@ def evaluate(d: Path, ref: Path, cache: Path) -> dict:
             "kld_p99_ci95": out.get("kld_p99_ci95"), "per_window": out["per_window"]["kld"], "bytes": folder_bytes(d)}
 
 
-def run_twin(work: Path, name: str, model: Path, cache: Path) -> dict:
+def run_twin(work: Path, name: str, model: Path, cache: Path, floor: bool = True) -> dict:
     import shutil
     fp32 = work / f"{name}-onnx"
     cli("export", "onnx", model, "--out", fp32)
@@ -93,6 +95,9 @@ def run_twin(work: Path, name: str, model: Path, cache: Path) -> dict:
                 row["proxy_vs_best_standard"] = {"standard": p_best, **paired_ratio(arms["proxy"]["per_window"],
                                                                                     std[p_best]["per_window"])}
             row["speed_vs_best_standard"] = speed_pair(a["path"], std[best]["path"], kv="f32")
+            if floor:
+                row["floored"] = floored_arm(fp32, work / f"{name}-auto{b}-floor", b, best, std[best], model, cache,
+                                             calib)
         rows.append(row)
         for d in arms.values():
             shutil.rmtree(d["path"])
@@ -109,6 +114,28 @@ def run_twin(work: Path, name: str, model: Path, cache: Path) -> dict:
     return {"twin": name, "weights": weights, "proxy_rank_agreement": rank,
             "standard": {t: {k: v for k, v in d.items() if k not in ("path", "per_window")} for t, d in std.items()},
             "budgets": rows}
+
+
+def floored_arm(fp32: Path, d: Path, budget: float, best: str, std: dict, model: Path, cache: Path, calib: list) -> dict:
+    """The allocation at the same budget with `--decode-floor best` (one thread, as the speed pair runs), scored and
+    timed against the same uniform recipe; a floor the budget cannot meet is recorded as such."""
+    import shutil
+    t0 = time.perf_counter()
+    try:
+        s = json.loads(cli("quantize", fp32, "--target-bpw", budget, *calib, "--decode-floor", best, "--threads",
+                           SPEED["threads"], "--out", d, "--json", env={"QUANTGATE_CACHE": str(cache)}))
+    except RuntimeError as e:
+        if "decode floor out of reach" not in str(e):
+            raise
+        return {"floor": best, "unreachable": str(e).partition("error: ")[2].strip()}
+    ev = evaluate(d, model, cache)
+    out = {"floor": best, "seconds": round(time.perf_counter() - t0, 1), "bits_per_weight": s["bits_per_weight"],
+           "predicted_decode_tps": s["predicted_decode_tps"], "floor_tps": s["floor_tps"], "types": s["types"],
+           **{k: v for k, v in ev.items() if k != "per_window"},
+           "vs_best_standard": paired_ratio(ev["per_window"], std["per_window"]),
+           "speed_vs_best_standard": speed_pair(d, std["path"], kv="f32")}
+    shutil.rmtree(d)
+    return out
 
 
 def _weights(fp32: Path) -> int:
@@ -138,6 +165,25 @@ def write_tables(result: dict) -> None:
                              f"({r['file_bits_per_weight']:.2f}) | {a['kld_mean']:.4g} "
                              f"[{ci[0]:.4g}, {ci[1]:.4g}] | {a['kld_p99']:.4g} [{p99[0]:.4g}, {p99[1]:.4g}] | {cmp} | "
                              f"{h['ratio']:.3f} [{h['ci95'][0]:.3f}, {h['ci95'][1]:.3f}] |")
+        floored = [(tw, r) for tw in e["twins"] for r in tw["budgets"] if "floored" in r]
+        if floored:
+            lines += ["", "With a decode floor (`--decode-floor RECIPE --threads 1`, RECIPE the best uniform recipe no "
+                      "larger than the free allocation): predicted at least as fast as RECIPE from per-option decode "
+                      "timings, against the same recipe's graph (measured ratio: median per-round [min, max]).", "",
+                      "| twin | budget | floor | bpw | KLD [95%] | alloc/uniform KLD | decode alloc/uniform | "
+                      "predicted / floor tok/s | free arm's KLD ratio |", "|---|---|---|---|---|---|---|---|---|"]
+            for tw, r in floored:
+                f = r["floored"]
+                head = f"| {tw['twin']} | {r['budget_bpw']} | {f['floor']} |"
+                if "unreachable" in f:
+                    lines.append(f"{head} unreachable: {f['unreachable']} |" + " |" * 5)
+                    continue
+                c, sp, ci = f["vs_best_standard"], f["speed_vs_best_standard"]["decode"], f["kld_mean_ci95"]
+                lines.append(f"{head} {f['bits_per_weight']:.3f} | {f['kld_mean']:.4g} [{ci[0]:.4g}, {ci[1]:.4g}] | "
+                             f"{c['ratio']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}] | {sp['ratio_median']:.3f} "
+                             f"[{sp['ratio_range'][0]:.2f}, {sp['ratio_range'][1]:.2f}] | "
+                             f"{f['predicted_decode_tps']:.0f} / {f['floor_tps']:.0f} | "
+                             f"{r['allocator_vs_best_standard']['ratio']:.3f} |")
         if any("proxy_rank_agreement" in tw for tw in e["twins"]):
             lines += ["", "The weight-error proxy (`--sensitivity proxy`: ORT's block quantizer on 256 sampled columns "
                       "per node, no calibration) against the measured sensitivity: Spearman's rho over (node, option) "
@@ -175,6 +221,7 @@ def main() -> None:
     ap.add_argument("--arch", choices=("attention", "medium"), default="attention")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--keep-run", default=None, help="train the twins into this folder once and reuse them")
+    ap.add_argument("--no-floor", action="store_true", help="skip the decode floor's arm")
     ap.add_argument("--tables-only", action="store_true")
     args = ap.parse_args()
     path = RESULTS / "allocator_onnx.json"
@@ -190,9 +237,10 @@ def main() -> None:
             if not (run / "gated").is_dir():
                 cli("train", *recipe, "--out", run)
             cache = run.parent / f"{run.name}-cache" if args.keep_run else work / "cache"
-            twins = [run_twin(work, name, run / name, cache) for name in ("baseline", "gated")]
+            twins = [run_twin(work, name, run / name, cache, not args.no_floor) for name in ("baseline", "gated")]
         result["archs"][args.arch] = {
-            "command": f"python benchmarks/allocator_onnx.py --arch {args.arch} --steps {args.steps}", "commit": commit,
+            "command": f"python benchmarks/allocator_onnx.py --arch {args.arch} --steps {args.steps}"
+                       f"{' --no-floor' if args.no_floor else ''}", "commit": commit,
             "train": "quantgate train " + " ".join(map(str, recipe)),
             "eval": {**EVAL, "split": "test", "reference": "the float twin (PyTorch, fp32)"},
             "calibration": {**CALIB, "data": "embedded", "split": "valid"}, "speed": {**SPEED, "kv": "f32 (as exported)"},
