@@ -212,7 +212,7 @@ def test_an_onnx_decode_floor_is_met_as_predicted_and_one_out_of_reach_is_one_li
     assert r.returncode == 0, r.stderr[-2000:]
     s = json.loads(r.stdout)
     assert s["decode_floor"] == "0.9xint4/32" and s["predicted_decode_tps"] >= s["floor_tps"] * (1 - 1e-9)
-    assert set(s["decode_cost"]["measured_s"]) == set(ao.OPTIONS)
+    assert set(s["decode_cost"]["measured_s"]) == set(ao.OPTIONS) and s["decode_cost"]["protocol"]["kv"] == "f32"
     assert "decode_floor" in json.loads((out / "quantgate.json").read_text())["quantization"]
     far = run_cli("quantize", str(export), "--target-bpw", "6", "--sensitivity", "proxy", "--decode-floor", "1000000",
                   "--threads", "1", "--out", str(tmp_path / "far"))

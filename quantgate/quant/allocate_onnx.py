@@ -15,7 +15,9 @@ The GGUF allocator's method (quant.allocate) on ONNX Runtime's weight-only forma
    on calibration windows against the fp32 export's logits: delta(u, o) = KLD(graph) - KLD(base). Cached by
    content, as the GGUF sensitivity is. Above MEASURE_ABOVE weights (hours to measure) `--sensitivity auto` takes
    the weight-error proxy instead (proxy_sensitivity: ORT's block quantizer on sampled columns, no calibration).
-3. Allocation: quant.allocate's multiple-choice knapsack on the predicted KLD (base + summed deltas).
+3. Allocation: quant.allocate's multiple-choice knapsack on the predicted KLD (base + summed deltas); with a
+   decode floor, the same Lagrangian price on decode time as the GGUF floor, from one graph per option timed here
+   (measure_decode_cost).
 4. The graph is written by ort_weight_only with each node's (bits, block size); quantgate.json's quantization
    names the target and every node's option, and `allocation.json` in the folder holds the sensitivity.
 
@@ -241,7 +243,8 @@ def measure_decode_cost(path: Path, model_dir: Path, graph: Graph, threads: int 
     cached = cache_dir() / f"decode-onnx-{k}.json"
     if cached.is_file():
         d = json.loads(cached.read_text())
-        return DecodeCost(d["base_s"], d["extra_s_per_element"], d["reference_s"], d["threads"], d["measured_s"])
+        return DecodeCost(d["base_s"], d["extra_s_per_element"], d["reference_s"], d["threads"], d["measured_s"],
+                          kv="f32")
     meta = read_meta(model_dir)
     with tempfile.TemporaryDirectory(prefix="quantgate-speed-onnx-") as work:
         folders = {}
@@ -257,7 +260,7 @@ def measure_decode_cost(path: Path, model_dir: Path, graph: Graph, threads: int 
         n = sum(u.n_elements for u in graph.units if o in u.candidates())
         if n:
             extra[o] = (seconds[o] - seconds[BASE]) / n if o != BASE else 0.0
-    cost = DecodeCost(seconds[BASE], extra, dict(seconds), threads, seconds)
+    cost = DecodeCost(seconds[BASE], extra, dict(seconds), threads, seconds, kv="f32")
     write_json(cached, cost.to_dict())
     return cost
 

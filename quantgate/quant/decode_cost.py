@@ -53,6 +53,7 @@ class DecodeCost:
     reference_s: dict[str, float]
     threads: int | None
     measured: dict[str, float]
+    kv: str = SPEED["kv"]  # the KV cache the timings ran with (an ONNX graph's: f32, as exported)
 
     def predict(self, units, types: dict[str, str]) -> float:
         """Predicted decode seconds per token of the assignment `types` (unit name -> type)."""
@@ -66,7 +67,7 @@ class DecodeCost:
 
     def to_dict(self) -> dict:
         return {"base_s": self.base_s, "extra_s_per_element": self.extra, "reference_s": self.reference_s,
-                "threads": self.threads, "measured_s": self.measured, "protocol": SPEED}
+                "threads": self.threads, "measured_s": self.measured, "protocol": {**SPEED, "kv": self.kv}}
 
 
 def measure_decode_cost(src: Path, units, base: str, types: tuple[str, ...], reference: str | None,
