@@ -376,7 +376,8 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
                    "on --calib-windows windows of --ctx tokens (one llama.cpp quantization and run per tensor and "
                    "type: fewer windows are quicker), the file at most this many bits per weight (instead of --type); "
                    "onnxruntime: the same for each MatMul's MatMulNBits bits (4, 8) and block size (32, 64, 128), "
-                   "4.25 to 9 bits per weight")
+                   "4.25 to 9 bits per weight; a model directory (torch): each block Linear's bits (3-8) and group "
+                   "size (32, 64, 128), 3.125 to 8.5 bits per weight of the block Linears")
 @click.option("--target-size", default=None, metavar="SIZE",
               help="as --target-bpw, with the tensors (GGUF) or the ONNX folder at most SIZE (e.g. 2.6GB, 900MB, "
                    "123456789)")
@@ -438,11 +439,23 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
         if given and target_bpw is None and target_size is None:
             raise QuantgateError(f"{flag} applies to an allocation: add --target-bpw or --target-size")
     if target_bpw is not None or target_size is not None:
-        if backend not in ("llama.cpp", "onnxruntime") or qtype or scheme or gate_bits:
-            raise QuantgateError("--target-bpw/--target-size choose llama.cpp types per tensor for a .gguf, or "
-                                 "MatMulNBits bits and block size per node for an ONNX export; they replace --type, "
-                                 "--scheme and --gate-bits")
+        if qtype or scheme or gate_bits:
+            raise QuantgateError("--target-bpw/--target-size choose llama.cpp types per tensor for a .gguf, "
+                                 "MatMulNBits bits and block size per node for an ONNX export, or int bits and group "
+                                 "size per Linear for a model directory; they replace --type, --scheme and --gate-bits")
         from quantgate.quant.targets import parse_floor, parse_size
+        if backend == "torch":
+            for flag, given in (("--target-size", target_size), ("--imatrix", imatrix), ("--types", alloc_types),
+                                ("--decode-floor", decode_floor), ("--layerwise", layerwise)):
+                if given:
+                    raise QuantgateError(f"{flag} does not apply to a torch allocation (--target-bpw on a model "
+                                         f"directory: its checkpoint stores rounded weights in float, with no integer "
+                                         f"kernel whose size or speed could be targeted)")
+            from quantgate.quant.allocate_torch import allocate_torch
+            summary = allocate_torch(model, out, target_bpw, calib_data, calib_windows, ctx, seed, hold_gates,
+                                     sensitivity)
+            _emit(summary if as_json else {k: v for k, v in summary.items() if k != "sensitivity"}, as_json)
+            return
         if backend == "onnxruntime":
             for flag, given in (("--imatrix", imatrix), ("--types", alloc_types)):
                 if given:

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from .. import __version__
 from ..errors import QuantgateError
-from ..fsio import atomic_dir, check_output, read_json
+from ..fsio import atomic_dir, check_output, read_json, write_json
 from ..layouts import (DEFAULT_LAYOUT_FOR_GATE, FUSED_EXPERT_NAMES, GLOBAL_NAMES, LAYOUTS, Q_NAME, Layout, detect_layout,
                        expert_names, is_norm, layer_names)
 from ..model import Model, ModelConfig
@@ -593,10 +593,11 @@ def check_tokenizer_fits(tok: Tokenizer, cfg: ModelConfig, path: Path) -> None:
 
 
 def save_checkpoint(model: Model, out: str | Path, tokenizer: Tokenizer | None = None,
-                    layout: str | None = None, inputs: tuple = ()) -> Path:
+                    layout: str | None = None, inputs: tuple = (), side_json: dict[str, dict] | None = None) -> Path:
     """Write `model` as a stock-loadable directory: baseline -> qwen3, headwise -> official layout,
     elementwise -> dense all-full-attention qwen3_next, a hybrid (Gated DeltaNet layers) -> qwen3_5 whatever its
-    gate (override with `layout`)."""
+    gate (override with `layout`). `side_json`: JSON files written beside it in the same folder (an allocation's
+    record), committed with it or not at all."""
     cfg = model.cfg
     lay = layout_for(cfg, layout)
     check_output(out, "checkpoint", inputs)
@@ -604,6 +605,8 @@ def save_checkpoint(model: Model, out: str | Path, tokenizer: Tokenizer | None =
     with atomic_dir(out, "checkpoint") as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_side_files(tmp, cfg, lay, tokenizer)
+        for name, d in (side_json or {}).items():
+            write_json(tmp / name, d)
         check_written(tmp, out)
     return Path(out)
 

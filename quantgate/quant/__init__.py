@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import importlib
 
-from .schemes import (SCHEMES, SCOPES, GgufBudget, GgufScheme, KeepAt, OnnxScheme, TorchaoScheme, TorchScheme, get, listing,
-                      names, plain_of, scope_words, with_gate_bits)
+from .schemes import (SCHEMES, SCOPES, GgufBudget, GgufScheme, KeepAt, OnnxBudget, OnnxScheme, TorchaoScheme, TorchBudget,
+                      TorchScheme, get, listing, names, plain_of, scope_words, with_gate_bits)
 
 BUILD_NAMES = ("CalibSettings", "quantize")  # quantgate.quant.build's, loaded on first use
 
-__all__ = ["SCHEMES", "SCOPES", "scope_words", "CalibSettings", "GgufBudget", "GgufScheme", "KeepAt", "OnnxScheme", "TorchScheme", "TorchaoScheme",
-           "get", "listing", "names", "plain_of", "quantize", "with_gate_bits"]
+__all__ = ["SCHEMES", "SCOPES", "scope_words", "CalibSettings", "GgufBudget", "GgufScheme", "KeepAt", "OnnxBudget",
+           "OnnxScheme", "TorchBudget", "TorchScheme", "TorchaoScheme", "get", "listing", "names", "plain_of", "quantize", "with_gate_bits"]
 
 
 def __getattr__(name: str):

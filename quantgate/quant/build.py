@@ -1,7 +1,8 @@
 """`quantize(source, scheme, out)`: one door to every backend's quantizer, chosen by the scheme's type.
 
 torchao's `quantize_` dispatches on `type(config)` through a handler table; this is the same move for
-whole artifacts: a TorchScheme writes a model directory (quant.torch_backend, PyTorch), an OnnxScheme an ONNX
+whole artifacts: a TorchScheme writes a model directory (quant.torch_backend, PyTorch), a TorchBudget one with bits
+per Linear (quant.allocate_torch), an OnnxScheme an ONNX
 directory (quant.ort, onnxruntime.quantization), a GgufScheme a .gguf (quant.llama_cpp, llama.cpp's quantizer). Each
 backend receives the config object itself and reads its fields, the keep override's bits and scope included. `quantgate quantize`
 and the report's cells both call it, so a report cell's artifact is exactly what the CLI would write.
@@ -14,10 +15,11 @@ from pathlib import Path
 from ..errors import QuantgateError
 from .allocate import allocate_gguf
 from .allocate_onnx import allocate_onnx
+from .allocate_torch import allocate_torch
 from .llama_cpp import quantize_gguf
 from .ort import quantize_onnx
 from .torch_backend import quantize_checkpoint
-from .schemes import GgufBudget, GgufScheme, OnnxBudget, OnnxScheme, TorchaoScheme, TorchScheme
+from .schemes import GgufBudget, GgufScheme, OnnxBudget, OnnxScheme, TorchaoScheme, TorchBudget, TorchScheme
 from .targets import parse_floor
 
 
@@ -33,6 +35,10 @@ class CalibSettings:
 
 def _torch(src, s: TorchScheme, out, c: CalibSettings, threads, layerwise=None) -> dict:
     return quantize_checkpoint(src, s, out, c.data, c.windows, c.ctx, c.seed, layerwise)
+
+
+def _torch_budget(src, s: TorchBudget, out, c: CalibSettings, threads) -> dict:
+    return allocate_torch(src, out, s.target_bpw, c.data, c.windows, c.ctx, c.seed, s.hold_gates)
 
 
 def _onnx(src, s: OnnxScheme, out, c: CalibSettings, threads) -> dict:
@@ -59,7 +65,7 @@ def _torchao(src, s: TorchaoScheme, out, c: CalibSettings, threads) -> dict:
     raise QuantgateError(f"torchao:{s.name} quantizes when the model is loaded: quantgate eval MODEL --torchao {s.name}")
 
 
-HANDLERS = {TorchScheme: _torch, OnnxScheme: _onnx, OnnxBudget: _onnx_budget, GgufScheme: _gguf,
+HANDLERS = {TorchScheme: _torch, TorchBudget: _torch_budget, OnnxScheme: _onnx, OnnxBudget: _onnx_budget, GgufScheme: _gguf,
             GgufBudget: _gguf_budget, TorchaoScheme: _torchao}
 
 

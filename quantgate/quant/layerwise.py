@@ -66,7 +66,7 @@ def quantize_layerwise(ckpt: HFCheckpoint, scheme: TorchScheme, windows: np.ndar
     lw = LayerwiseModel(ckpt)
     linears = block_linears(lw.model)
     cal = Calibrator(linears, scheme) if scheme.needs_calibration else None
-    state: dict = {"act_ranges": {}, "weight_bits": {}}
+    state: dict = {"act_ranges": {}, "weight_bits": {}, "group_sizes": {}}
     with atomic_dir(out, "checkpoint") as tmp:
         writer = SafetensorsWriter(tmp / "model.safetensors", specs, {"format": "pt"})
         try:

@@ -82,6 +82,7 @@ class TorchScheme:
     method: str = "rtn"                  # weight rounding: "rtn" (round to nearest) | "gptq"
     smooth_alpha: float | None = None    # SmoothQuant migration strength before quantizing (None: off)
     kv_bits: int | None = None           # KV cache rounded per token and head to this many bits
+    allocated: bool = False              # bits and group size per Linear (quant_state), chosen under a budget
 
     @property
     def keep(self) -> KeepAt | None:
@@ -94,12 +95,16 @@ class TorchScheme:
     @property
     def kv_only(self) -> bool:
         """A KV-cache-only scheme leaves the Linears alone."""
-        return self.weight_bits is None and self.act is None and self.gate_bits is None
+        return self.weight_bits is None and self.act is None and self.gate_bits is None and not self.allocated
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def describe(self) -> dict:
+        if self.allocated:
+            return {"weights": "allocated int bits and group size per Linear (quant.allocate_torch)",
+                    "weight_bits": None, "group_size": None, "activations": "float", "kv_cache": None,
+                    "artifact": "model directory"}
         w = "float" if self.weight_bits is None else f"int{self.weight_bits}" + (
             f" g{self.group_size}" if self.group_size else " per row") + (" GPTQ" if self.method == "gptq" else "")
         a = "float" if self.act is None else f"int{self.act_bits} {self.act}" + (
@@ -146,8 +151,46 @@ _SAVED_FIELDS = {  # field -> (check, what it must be)
     "gate_scope": (lambda v: v in SCOPES, " or ".join(SCOPES)),
     "method": (lambda v: v in ("rtn", "gptq"), "rtn or gptq"),
     "smooth_alpha": (_number(0, 1, none=True), "a number in [0, 1] or null"),
-    "kv_bits": (_bits(2, 16), "2..16 or null"),
+    "kv_bits": (_bits(2, 16), "2..16 or null"), "allocated": (_flag, "true or false"),
 }
+
+
+@dataclass(frozen=True)
+class TorchBudget:
+    """Int bits and group size per block Linear chosen by quantgate's torch allocator (quant.allocate_torch) under a
+    budget in bits per weight of the block Linears: `auto@5`; `+held` holds the gates at the allocation's base
+    option. What it writes is a checkpoint whose scheme is a TorchScheme with `allocated` set. Not listed in the
+    registry: `get` reads the name."""
+    backend: ClassVar[str] = "torch"
+    name: str
+    target_bpw: float
+    hold_gates: bool = False
+    keep: ClassVar[None] = None
+    needs_calibration: ClassVar[bool] = True  # sensitivity is measured on calibration windows
+
+    def describe(self) -> dict:
+        return {"weights": f"allocated int bits and group size per Linear, <= {self.target_bpw:g} bpw"
+                           + (", gates held" if self.hold_gates else ""),
+                "weight_bits": self.target_bpw, "group_size": None, "activations": "float", "kv_cache": None,
+                "artifact": "model directory"}
+
+
+TORCH_BUDGET_NAME = re.compile(r"auto@([0-9]+(?:\.[0-9]+)?)(\+held)?")
+
+
+def torch_budget(name: str) -> TorchBudget | None:
+    """`auto@BPW` with `+held` as a torch allocation's config; None for any other name. A size (`auto@40MB`) is
+    refused: a torch checkpoint stores its rounded weights in float, so only bits per weight mean anything."""
+    if re.fullmatch(r"auto@[0-9.]+[KMGT]i?B.*", name):
+        raise QuantgateError(f"torch:{name}: a torch allocation takes bits per weight (auto@5): its checkpoint "
+                             f"stores the rounded weights in float, so a size target means nothing")
+    m = TORCH_BUDGET_NAME.fullmatch(name)
+    if m is None:
+        return None
+    bpw = float(m.group(1))
+    if not 1.0 <= bpw <= 32.0:
+        raise QuantgateError(f"torch:{name}: the budget must be between 1 and 32 bits per weight")
+    return TorchBudget(name, bpw, bool(m.group(2)))
 
 
 # --- ONNX Runtime (onnxruntime.quantization on an fp32 export) ------------------------------------------
@@ -406,7 +449,7 @@ def names(backend: str) -> list[str]:
 def get(backend: str, name: str, what: str | None = None, **overrides):
     """The registry's config for `backend:name` (with dataclass overrides, e.g. block_size=64); an unknown
     name is one error line listing the choices (`what` names them, e.g. "GGUF type")."""
-    budget = {"gguf": gguf_budget, "onnx": onnx_budget}.get(backend) if what is None else None
+    budget = {"gguf": gguf_budget, "onnx": onnx_budget, "torch": torch_budget}.get(backend) if what is None else None
     s = SCHEMES.get(f"{backend}:{name}") or (budget(name) if budget else None)
     if s is None:
         listed = names(backend)
@@ -418,6 +461,8 @@ def get(backend: str, name: str, what: str | None = None, **overrides):
                         "and auto@BPW[+imatrix][+held] allocates types per tensor under BPW bits per weight")
         elif backend == "onnx" and what is None:
             tail = "; auto@BPW[+held] allocates MatMulNBits bits and blocks per node under BPW bits per weight"
+        elif backend == "torch" and what is None:
+            tail = "; auto@BPW[+held] allocates int bits and group size per Linear under BPW bits per weight"
         raise QuantgateError(f"unknown {what or backend + ' scheme'} {name!r}; choose from {', '.join(listed)}{tail}")
     return replace(s, **overrides) if overrides else s
 

@@ -238,10 +238,11 @@ def saved_quantization(model: Model) -> dict:
 
 
 def quant_state_of(named_modules) -> dict:
-    """config.json's quant_state for these (name, module) pairs: each QuantLinear's activation range and bits."""
+    """config.json's quant_state for these (name, module) pairs: each QuantLinear's activation range, bits and group
+    size (an allocation gives each Linear its own; a named scheme's are all the same)."""
     q = [(n, m) for n, m in named_modules if isinstance(m, QuantLinear)]
     return {"act_ranges": {n: [m.act_range.lo, m.act_range.hi] for n, m in q if m.act_range is not None},
-            "weight_bits": {n: m.weight_bits for n, m in q}}
+            "weight_bits": {n: m.weight_bits for n, m in q}, "group_sizes": {n: m.group_size for n, m in q}}
 
 
 def apply_saved_quantization(model: Model, extra: dict, where: str = "config.json") -> Model:
@@ -252,8 +253,9 @@ def apply_saved_quantization(model: Model, extra: dict, where: str = "config.jso
     if not isinstance(state, dict):
         raise QuantgateError(f"{where}: quant_state must be a JSON object")
     ranges, bits = state.get("act_ranges", {}), state.get("weight_bits", {})
-    if not isinstance(ranges, dict) or not isinstance(bits, dict):
-        raise QuantgateError(f"{where}: quant_state.act_ranges and .weight_bits must be JSON objects")
+    groups = state.get("group_sizes", {})  # older checkpoints: the scheme's group size for every Linear
+    if not isinstance(ranges, dict) or not isinstance(bits, dict) or not isinstance(groups, dict):
+        raise QuantgateError(f"{where}: quant_state.act_ranges, .weight_bits and .group_sizes must be JSON objects")
     linears = block_linears(model)
     for name, r in ranges.items():
         finite = isinstance(r, list) and len(r) == 2 and all(
@@ -265,6 +267,14 @@ def apply_saved_quantization(model: Model, extra: dict, where: str = "config.jso
         if name not in linears or not (b is None or (isinstance(b, int) and not isinstance(b, bool) and 2 <= b <= 16)):
             raise QuantgateError(f"{where}: quant_state.weight_bits[{name[:60]!r}] must be 2..16 or null for a Linear "
                                  f"of this model")
+    for name, g in groups.items():
+        if name not in linears or not (g is None or (isinstance(g, int) and not isinstance(g, bool) and g >= 1
+                                                     and linears[name].weight.shape[1] % g == 0)):
+            raise QuantgateError(f"{where}: quant_state.group_sizes[{name[:60]!r}] must be null or a positive divisor "
+                                 f"of the input width of a Linear of this model")
+    if scheme.allocated and set(bits) != set(linears):
+        raise QuantgateError(f"{where}: an allocated scheme needs quant_state.weight_bits for every block Linear "
+                             f"({len(bits)} of {len(linears)} given)")
     if scheme.kv_only:
         return model
     for name, lin in linears.items():
@@ -273,7 +283,8 @@ def apply_saved_quantization(model: Model, extra: dict, where: str = "config.jso
             raise QuantgateError(f"{where}: the {scheme.name} checkpoint has no activation range for {name}")
         q = QuantLinear(lin.weight.detach(), act=scheme.act, act_bits=scheme.act_bits,
                         act_range=None if r is None else ActRange(*r), symmetric=scheme.symmetric,
-                        skip_first_position=scheme.sink_aware, weight_bits=bits.get(name), group_size=scheme.group_size)
+                        skip_first_position=scheme.sink_aware, weight_bits=bits.get(name),
+                        group_size=groups.get(name, scheme.group_size))
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, q)
     return model
