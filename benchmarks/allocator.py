@@ -362,6 +362,29 @@ def _err(cells) -> np.ndarray:
     return np.array([lo, hi])
 
 
+def train_and_run(arch: str, steps: int, keep_run: str | None, name: str, run_twin) -> dict:
+    """The twins of RECIPES[arch] trained (or `keep_run`'s, trained there once and reused with their cache), then
+    `run_twin(work, twin, model dir, cache)` for each in a fresh temporary folder removed afterwards: the fields every
+    benchmark entry of this family shares (commit at the start, recipe, eval and calibration text, machine, seconds,
+    twins). `name`: the temporary folder's prefix (quantgate-NAME-)."""
+    recipe = [*RECIPES[arch], "--steps", steps]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()  # at the start: the code that runs
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"quantgate-{name}-") as tmp:
+        work = Path(tmp)
+        run = Path(keep_run) if keep_run else work / "run"
+        if not (run / "gated").is_dir():  # --keep-run: trained once, reused by a rerun
+            cli("train", *recipe, "--out", run)
+        cache = run.parent / f"{run.name}-cache" if keep_run else work / "cache"  # a rerun reuses it
+        twins = [run_twin(work, twin, run / twin, cache) for twin in ("baseline", "gated")]
+    return {"commit": commit, "train": "quantgate train " + " ".join(map(str, recipe)),
+            "eval": {**EVAL, "split": "test", "reference": "the float twin (PyTorch, fp32)"},
+            "calibration": {**CALIB, "data": "embedded", "split": "valid"},
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_at_end": os.getloadavg()},
+            "seconds": round(time.perf_counter() - t0, 1), "twins": twins}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", choices=sorted(RECIPES), default="attention")
@@ -382,27 +405,13 @@ def main() -> None:
         restate_standard_bpw(result, args.arch, Path(args.keep_run))
         path.write_text(json.dumps(result, indent=1) + "\n")
     elif not args.tables_only:
-        recipe = [*RECIPES[args.arch], "--steps", args.steps]
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()  # at the start: the code that runs
-        t0 = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="quantgate-allocator-") as tmp:
-            work = Path(tmp)
-            run = Path(args.keep_run) if args.keep_run else work / "run"
-            if not (run / "gated").is_dir():  # --keep-run: trained once, reused by a rerun
-                cli("train", *recipe, "--out", run)
-            cache = run.parent / f"{run.name}-cache" if args.keep_run else work / "cache"  # a rerun reuses it
-            twins = [run_twin(work, name, run / name, cache, tuple(args.variants.split(",")), not args.no_floor)
-                     for name in ("baseline", "gated")]
+        variants = tuple(args.variants.split(","))
         result["archs"][args.arch] = {
             "command": f"python benchmarks/allocator.py --arch {args.arch} --steps {args.steps} --variants "
-                       f"{args.variants}{' --no-floor' if args.no_floor else ''}", "commit": commit,
-            "train": "quantgate train " + " ".join(map(str, recipe)),
-            "eval": {**EVAL, "split": "test", "reference": "the float twin (PyTorch, fp32)"},
-            "calibration": {**CALIB, "data": "embedded", "split": "valid"}, "speed": SPEED,
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                        "load_average_at_end": os.getloadavg()},
-            "seconds": round(time.perf_counter() - t0, 1), "twins": twins}
+                       f"{args.variants}{' --no-floor' if args.no_floor else ''}", "speed": SPEED,
+            **train_and_run(args.arch, args.steps, args.keep_run, "allocator",
+                            lambda work, name, model, cache: run_twin(work, name, model, cache, variants,
+                                                                      not args.no_floor))}
         path.write_text(json.dumps(result, indent=1) + "\n")
     write_tables(result)
     plot(result)

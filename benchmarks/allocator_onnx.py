@@ -24,17 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
-from allocator import (CALIB, EVAL, RECIPES, RESULTS, SPEED, cli, compare_cells, paired_ratio, protocol_words,
-                       run_words, speed_pair)
+from allocator import (CALIB, EVAL, RESULTS, SPEED, cli, compare_cells, paired_ratio, protocol_words,
+                       run_words, speed_pair, train_and_run)
 from allocator_proxy import rank_agreement
 
 UNIFORM = {"int4/128": ("int4", 128), "int4/64": ("int4", 64), "int4/32": ("int4", 32),
@@ -227,25 +221,11 @@ def main() -> None:
     path = RESULTS / "allocator_onnx.json"
     result = json.loads(path.read_text()) if path.is_file() else {"archs": {}}
     if not args.tables_only:
-        recipe = [*RECIPES[args.arch], "--steps", args.steps]
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-        t0 = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="quantgate-allocator-onnx-") as tmp:
-            work = Path(tmp)
-            run = Path(args.keep_run) if args.keep_run else work / "run"
-            if not (run / "gated").is_dir():
-                cli("train", *recipe, "--out", run)
-            cache = run.parent / f"{run.name}-cache" if args.keep_run else work / "cache"
-            twins = [run_twin(work, name, run / name, cache, not args.no_floor) for name in ("baseline", "gated")]
         result["archs"][args.arch] = {
             "command": f"python benchmarks/allocator_onnx.py --arch {args.arch} --steps {args.steps}"
-                       f"{' --no-floor' if args.no_floor else ''}", "commit": commit,
-            "train": "quantgate train " + " ".join(map(str, recipe)),
-            "eval": {**EVAL, "split": "test", "reference": "the float twin (PyTorch, fp32)"},
-            "calibration": {**CALIB, "data": "embedded", "split": "valid"}, "speed": {**SPEED, "kv": "f32 (as exported)"},
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_at_end": os.getloadavg()},
-            "seconds": round(time.perf_counter() - t0, 1), "twins": twins}
+                       f"{' --no-floor' if args.no_floor else ''}", "speed": {**SPEED, "kv": "f32 (as exported)"},
+            **train_and_run(args.arch, args.steps, args.keep_run, "allocator-onnx",
+                            lambda work, name, model, cache: run_twin(work, name, model, cache, not args.no_floor))}
         path.write_text(json.dumps(result, indent=1) + "\n")
     write_tables(result)
 

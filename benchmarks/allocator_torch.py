@@ -23,15 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
-from allocator import CALIB, EVAL, RECIPES, RESULTS, cli, paired_ratio, run_words
+from allocator import CALIB, EVAL, RECIPES, RESULTS, cli, paired_ratio, run_words, train_and_run
 
 UNIFORM = ("w4a16-g128", "w4a16-g64", "w4a16-g32", "w8a16")
 BUDGETS = (3.5, 4.25, 4.5, 5.0, 6.0, 7.0)
@@ -142,24 +138,9 @@ def main() -> None:
     path = RESULTS / "allocator_torch.json"
     result = json.loads(path.read_text()) if path.is_file() else {"archs": {}}
     if not args.tables_only:
-        recipe = [*RECIPES[args.arch], "--steps", args.steps]
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-        t0 = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="quantgate-allocator-torch-") as tmp:
-            work = Path(tmp)
-            run = Path(args.keep_run) if args.keep_run else work / "run"
-            if not (run / "gated").is_dir():
-                cli("train", *recipe, "--out", run)
-            cache = run.parent / f"{run.name}-cache" if args.keep_run else work / "cache"
-            twins = [run_twin(work, name, run / name, cache) for name in ("baseline", "gated")]
         result["archs"][args.arch] = {
-            "command": f"python benchmarks/allocator_torch.py --arch {args.arch} --steps {args.steps}", "commit": commit,
-            "train": "quantgate train " + " ".join(map(str, recipe)),
-            "eval": {**EVAL, "split": "test", "reference": "the float twin (PyTorch, fp32)"},
-            "calibration": {**CALIB, "data": "embedded", "split": "valid"},
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_at_end": os.getloadavg()},
-            "seconds": round(time.perf_counter() - t0, 1), "twins": twins}
+            "command": f"python benchmarks/allocator_torch.py --arch {args.arch} --steps {args.steps}",
+            **train_and_run(args.arch, args.steps, args.keep_run, "allocator-torch", run_twin)}
         path.write_text(json.dumps(result, indent=1) + "\n")
     write_tables(result)
 
