@@ -232,9 +232,25 @@ def _weights(f32: Path) -> int:
 def run_words(entry: dict) -> str:
     """What ran and what the KLD is measured on, the opening of every entry's table (this one's and
     allocator_onnx's)."""
-    return (f"`{entry['command']}` at {entry['commit']} ({entry['seconds'] / 60:.0f} min); twins: `{entry['train']}`; "
-            f"KLD against the float twin on {EVAL['windows']} windows of {EVAL['ctx']} tokens of the embedded corpus's "
-            f"test split")
+    runs = entry.get("variant_runs")
+    ran = (f"`{entry['command']}` at {entry['commit']} ({entry['seconds'] / 60:.0f} min)" if not runs else
+           "; ".join(f"{v} rows: `{r['command']}` at {r['commit']} ({r['seconds'] / 60:.0f} min)" for v, r in runs.items())
+           + " (separate runs, each training the twins anew by the same recipe)")
+    return (f"{ran}; twins: `{entry['train']}`; KLD against the float twin on {EVAL['windows']} windows of "
+            f"{EVAL['ctx']} tokens of the embedded corpus's test split")
+
+
+def merge_variants(old: dict, new: dict, variants: tuple) -> dict:
+    """`--merge`: the arch's earlier entry with this run's variants put in (a variant measured again replaced), each
+    variant naming the run that measured it (`variant_runs`: command, commit, minutes)."""
+    runs = old.get("variant_runs") or {v: {k: old[k] for k in ("command", "commit", "seconds")}
+                                        for v in ("plain", "imatrix") if v in old["twins"][0]}
+    for v in variants:
+        runs[v] = {k: new[k] for k in ("command", "commit", "seconds")}
+    for tw_old, tw_new in zip(old["twins"], new["twins"]):
+        for v in variants:
+            tw_old[v] = tw_new[v]
+    return {**old, "variant_runs": runs}
 
 
 def protocol_words(runtime: str, kv: str) -> str:
@@ -393,6 +409,8 @@ def main() -> None:
     ap.add_argument("--variants", default="plain,imatrix", help="plain, imatrix or both (comma-separated)")
     ap.add_argument("--no-floor", action="store_true", help="skip the decode floor's arm")
     ap.add_argument("--tables-only", action="store_true", help="rewrite allocator.md and .png from the JSON")
+    ap.add_argument("--merge", action="store_true", help="keep --arch's entry and add this run's --variants to it (e.g. "
+                    "the imatrix rows of a pair measured plain before); each variant names the run that measured it")
     ap.add_argument("--restate-standard-bpw", action="store_true",
                     help="with --keep-run: count the standard types' bits per weight as llama.cpp does (see "
                          "restate_standard_bpw) in --arch's entry, then rewrite the tables")
@@ -406,12 +424,15 @@ def main() -> None:
         path.write_text(json.dumps(result, indent=1) + "\n")
     elif not args.tables_only:
         variants = tuple(args.variants.split(","))
-        result["archs"][args.arch] = {
+        entry = {
             "command": f"python benchmarks/allocator.py --arch {args.arch} --steps {args.steps} --variants "
-                       f"{args.variants}{' --no-floor' if args.no_floor else ''}", "speed": SPEED,
+                       f"{args.variants}{' --no-floor' if args.no_floor else ''}{' --merge' if args.merge else ''}",
+            "speed": SPEED,
             **train_and_run(args.arch, args.steps, args.keep_run, "allocator",
                             lambda work, name, model, cache: run_twin(work, name, model, cache, variants,
                                                                       not args.no_floor))}
+        old = result["archs"].get(args.arch)
+        result["archs"][args.arch] = merge_variants(old, entry, variants) if args.merge and old else entry
         path.write_text(json.dumps(result, indent=1) + "\n")
     write_tables(result)
     plot(result)
