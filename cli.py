@@ -383,14 +383,16 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
                    "123456789)")
 @click.option("--hold-gates", is_flag=True,
               help="with --target-bpw/--target-size: the gate tensors (attn_q, a hybrid's attn_gate, ssm_alpha, "
-                   "ssm_beta, ssm_out) take the allocation's base type instead of what their measured KLD earns (the "
-                   "A/B that shows whether protecting the gates pays)")
+                   "ssm_beta, ssm_out; ONNX: the fused q|gate MatMul and in_proj_z; torch: g_proj and a Gated "
+                   "DeltaNet's in_proj_z, in_proj_a, in_proj_b, out_proj) take the allocation's base type instead of "
+                   "what their measured KLD earns (the A/B that shows whether protecting the gates pays)")
 @click.option("--sensitivity", type=click.Choice(["auto", "measured", "proxy"]), default="auto", show_default=True,
               help="with --target-bpw/--target-size: measured (each tensor's KLD at each type: one quantization and "
                    "run per tensor and type), proxy (each tensor's importance-weighted weight error at each type, "
                    "from ggml's own quantizers on sampled rows; for ONNX, each node's weight error from ORT's block "
                    "quantizer: minutes at 9B, but a weak stand-in: its GGUF files carried 2-3x the KLD of measured "
-                   "ones on the benchmark pair), auto (measured up to 100M weights)")
+                   "ones on the benchmark pair; for torch, each Linear's squared rounding error), auto (measured up "
+                   "to 100M weights)")
 @click.option("--decode-floor", default=None, metavar="SPEED",
               help="with --target-bpw/--target-size: the file must decode at least this fast, predicted from each "
                    "type's decode time measured here with --threads: tok/s (40), a llama.cpp type (Q4_K_M: as fast "
