@@ -173,3 +173,31 @@ def test_an_allocated_input_and_bad_saved_groups_are_refused(twins, tmp_path):
     assert r.returncode != 0 and "group_sizes" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     with pytest.raises(QuantgateError, match="bits per weight"):
         get("torch", "auto@40MB")
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "moe"])
+def test_hybrid_and_moe_checkpoints_allocate_and_reload(tmp_path, kind):
+    """A Qwen3.5-style hybrid and a MoE hybrid (saved in their qwen3_5 / qwen3_5_moe layouts) allocate end to end: the
+    checkpoint reloads with every Linear at its unit's bits and group (a MoE layer's experts all at one option), the
+    bits counted as planned, and its logits are the in-memory allocation's."""
+    from conftest import save_random_models
+    from test_moe import moe_model
+    from quantgate.runners import TorchRunner
+
+    def make_hybrid():
+        return build_model(hybrid(preset("tiny", vocab_size=300, n_layers=4, gate="elementwise")), seed=0)
+    d = save_random_models(tmp_path, {kind: make_hybrid if kind == "hybrid" else moe_model})
+    out = tmp_path / "a"
+    s = at.allocate_torch(d / kind, out, 5.0, str(d / "t.txt"), 2, 32)
+    m = load_checkpoint(out).model
+    lin = block_linears(m)
+    units, _ = at.units_of(m)
+    for u in units:
+        assert {(lin[n].weight_bits, lin[n].group_size) for n in u.linears} == {at.spec(s["types"][u.name])}
+    assert block_bits_per_weight(m) == pytest.approx(s["bits_per_weight"], abs=1e-4) and s["bits_per_weight"] <= 5.0
+    if kind == "moe":
+        assert any(len(u.linears) > 1 for u in units)
+    ref = load_checkpoint(d / kind).model
+    at._apply(ref, units, s["types"])
+    w = np.random.default_rng(0).integers(3, 250, size=(2, 24))
+    np.testing.assert_allclose(TorchRunner(m).logits(w), TorchRunner(ref).logits(w), rtol=1e-5, atol=1e-5)
