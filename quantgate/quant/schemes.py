@@ -169,10 +169,14 @@ class TorchBudget:
     needs_calibration: ClassVar[bool] = True  # sensitivity is measured on calibration windows
 
     def describe(self) -> dict:
-        return {"weights": f"allocated int bits and group size per Linear, <= {self.target_bpw:g} bpw"
-                           + (", gates held" if self.hold_gates else ""),
-                "weight_bits": self.target_bpw, "group_size": None, "activations": "float", "kv_cache": None,
-                "artifact": "model directory"}
+        return _budget_row(f"allocated int bits and group size per Linear, <= {self.target_bpw:g} bpw"
+                           + (", gates held" if self.hold_gates else ""), self.target_bpw, "model directory")
+
+
+def _budget_row(weights: str, bpw: float | None, artifact: str) -> dict:
+    """`quantize --list`'s row of an allocation config (any backend's budget)."""
+    return {"weights": weights, "weight_bits": bpw, "group_size": None, "activations": "float", "kv_cache": None,
+            "artifact": artifact}
 
 
 TORCH_BUDGET_NAME = re.compile(r"auto@([0-9]+(?:\.[0-9]+)?)(\+held)?")
@@ -304,11 +308,10 @@ class GgufBudget:
 
     def describe(self) -> dict:
         size = f"<= {self.target_bpw:g} bpw" if self.target_bpw is not None else f"<= {self.target_bytes:,} bytes"
-        return {"weights": f"allocated llama.cpp types per tensor, {size}"
+        return _budget_row(f"allocated llama.cpp types per tensor, {size}"
                            + (" + imatrix" if self.imatrix else "") + (", gates held" if self.hold_gates else "")
                            + (f", decode >= {_floor_words(self.decode_floor)}" if self.decode_floor else ""),
-                "weight_bits": self.target_bpw, "group_size": None, "activations": "float", "kv_cache": None,
-                "artifact": ".gguf file"}
+                           self.target_bpw, ".gguf file")
 
 
 def _floor_words(text: str) -> str:
@@ -356,10 +359,8 @@ class OnnxBudget:
 
     def describe(self) -> dict:
         size = f"<= {self.target_bpw:g} bpw" if self.target_bpw is not None else f"<= {self.target_bytes:,} bytes"
-        return {"weights": f"allocated MatMulNBits bits and blocks per node, {size}"
-                           + (", gates held" if self.hold_gates else ""),
-                "weight_bits": self.target_bpw, "group_size": None, "activations": "float", "kv_cache": None,
-                "artifact": "ONNX directory"}
+        return _budget_row(f"allocated MatMulNBits bits and blocks per node, {size}"
+                           + (", gates held" if self.hold_gates else ""), self.target_bpw, "ONNX directory")
 
 
 ONNX_BUDGET_NAME = re.compile(r"auto@([0-9]+(?:\.[0-9]+)?)([KMGT]i?B)?(\+held)?")
