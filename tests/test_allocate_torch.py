@@ -201,3 +201,19 @@ def test_hybrid_and_moe_checkpoints_allocate_and_reload(tmp_path, kind):
     at._apply(ref, units, s["types"])
     w = np.random.default_rng(0).integers(3, 250, size=(2, 24))
     np.testing.assert_allclose(TorchRunner(m).logits(w), TorchRunner(ref).logits(w), rtol=1e-5, atol=1e-5)
+
+
+def test_report_cells_take_torch_budgets(twins, tmp_path):
+    """`report --schemes torch:auto@5,torch:auto@5+held` scores allocated checkpoints as cells: each at <= 5 block bits
+    per weight, the gated twin's held arm a different checkpoint from its free one."""
+    r = run_cli("report", "--models", str(twins / "baseline"), str(twins / "gated"), "--data", str(twins / "text.txt"),
+                "--backends", "torch", "--schemes", "torch:w4a16-g32,torch:auto@5,torch:auto@5+held", "--windows", "8",
+                "--ctx", "64", "--calib-windows", "4", "--out", str(tmp_path / "rep"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    cells = json.loads((tmp_path / "rep" / "report.json").read_text())["cells"]
+    for twin in ("baseline", "gated"):
+        for s in ("auto@5", "auto@5+held"):
+            c = cells[f"torch/{twin}/{s}"]
+            assert 4.9 < c["bits_per_weight"] <= 5.0 and c["kld_mean"] > 0
+    free, held = (load_checkpoint(cells[f"torch/gated/{s}"]["artifact"]).model for s in ("auto@5", "auto@5+held"))
+    assert free.cfg.extra["allocation"]["hold_gates"] is False and held.cfg.extra["allocation"]["hold_gates"] is True
