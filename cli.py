@@ -398,7 +398,8 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
                    "type's decode time measured here with --threads: tok/s (40), a llama.cpp type (Q4_K_M: as fast "
                    "as that file of this model) or a fraction of one (0.95xQ4_K_M); types such as IQ4_XS, Q3_K and "
                    "Q5_K decode slower on a CPU than their size suggests. One file per type is written and timed: "
-                   "seconds for a small model, as long as eight plain quantizations for a large one")
+                   "seconds for a small model, as long as eight plain quantizations for a large one; then the written "
+                   "file is timed against the floor and written again (three files at most) where it falls short")
 @click.option("--types", "alloc_types", default=None, metavar="LIST",
               help="with --target-bpw/--target-size on a GGUF: the llama.cpp types the allocation may use, comma-"
                    "separated (default: Q2_K,Q3_K,IQ4_XS,Q4_K,Q5_K,Q6_K,Q8_0, and Q4_0,Q5_0,IQ4_NL for rows not a "

@@ -105,7 +105,7 @@ def floored_arm(f32: Path, p: Path, budget: float, best: str, std: dict, model: 
         cli("quantize", f32, "--target-bpw", budget, *extra, "--decode-floor", best, "--threads", SPEED["threads"],
             "--out", p, env={"QUANTGATE_CACHE": str(cache)})
     except RuntimeError as e:
-        if "decode floor out of reach" not in str(e):
+        if "decode floor out of reach" not in str(e) and "decode floor not met" not in str(e):
             raise
         return {"floor": best, "unreachable": str(e).partition("error: ")[2].strip()}
     side = Path(str(p) + ".allocation.json")
@@ -113,6 +113,7 @@ def floored_arm(f32: Path, p: Path, budget: float, best: str, std: dict, model: 
     ev = evaluate(p, model, cache)
     out = {"floor": best, "seconds": round(time.perf_counter() - t0, 1), "bits_per_weight": info["bits_per_weight"],
            "predicted_decode_tps": info["predicted_decode_tps"], "floor_tps": info["floor_tps"],
+           "floor_checks": info.get("floor_checks"),
            "decode_cost_measured_tps": {k: 1 / v for k, v in info["decode_cost"]["measured_s"].items()},
            "types": info["types"], **{k: v for k, v in ev.items() if k != "per_window"},
            "vs_best_standard": paired_ratio(ev["per_window"], std["per_window"]),

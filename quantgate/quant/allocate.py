@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -50,7 +49,7 @@ from ..metrics import window_scores
 from ..progress import track
 from ..reference import cache_dir
 from ..runners.open import fixed_ctx, open_runner
-from .decode_cost import DecodeCost, measure_decode_cost
+from .decode_cost import DecodeCost, floor_check, measure_decode_cost
 from .llama_cpp import exact_overrides as overrides, importance_matrix, run_quantizer
 from .proxy import ROWS, proxy_deltas, weight_errors
 from .targets import DecodeFloor
@@ -236,6 +235,7 @@ class Allocation:
 
 
 BUCKETS = 4000  # the budget's resolution in the allocation's dynamic program
+FLOOR_TRIES = 3  # files written and timed against a decode floor before a shortfall is an error
 
 
 def allocate(units: list[Unit], sens: Sensitivity, budget_bytes: int, fixed: dict[str, str] | None = None,
@@ -487,9 +487,33 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
                     continue
                 break
             clock.lap("llama.cpp quantizer")
-            if mismatch:
-                raise QuantgateError(f"llama.cpp wrote other types than the allocation asked for: "
-                                     f"{list(mismatch.items())[:3]}")
+            _check_types(mismatch)
+            tries: list[dict] = []
+            while cost is not None:  # the written file against the floor; a shortfall asks the model for more speed
+                got, want = floor_check(raw, src, decode_floor, threads, out.parent, im)
+                tries.append({"written_tps": got, "floor_tps": want, "predicted_tps": 1 / plan.predicted_decode_s})
+                clock.lap("floor check")
+                if got >= want or len(tries) == FLOOR_TRIES:
+                    break
+                limit *= got / want
+                try:
+                    plan = plan_for(units)
+                except QuantgateError as e:
+                    if "decode floor out of reach" not in str(e):
+                        raise
+                    raise QuantgateError(
+                        f"decode floor not met by the written file: {got:.4g} tok/s measured against the floor's "
+                        f"{want:.4g}, and no allocation under this budget is predicted that much faster; lower the "
+                        f"floor or raise the budget; nothing was written") from None
+                written = run_quantizer(src, raw, BASE, overrides(plan.types), im, threads=threads, shown=out)
+                _check_types({n: (t, written.tensor_types.get(n)) for n, t in plan.types.items()
+                              if written.tensor_types.get(n) != t})
+                clock.lap("llama.cpp quantizer")
+            if tries and tries[-1]["written_tps"] < tries[-1]["floor_tps"]:
+                raise QuantgateError(
+                    f"decode floor not met by the written file: {tries[-1]['written_tps']:.4g} tok/s measured against "
+                    f"the floor's {tries[-1]['floor_tps']:.4g} after {len(tries)} files (each asked the speed model for "
+                    f"the shortfall); lower the floor or raise the budget; nothing was written")
             meta = {f"{META}.target": target, f"{META}.sensitivity": sens.kind, f"{META}.hold_gates": hold_gates,
                     f"{META}.imatrix": imatrix, f"{META}.types_allowed": ",".join(types) if types else "all",
                     f"{META}.calibration": (f"{calib_data}: {sens.windows} windows of {sens.ctx} tokens" if measured
@@ -498,7 +522,8 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
             if measured:
                 meta[f"{META}.predicted_kld"] = float(plan.predicted_kld)
             if cost is not None:
-                meta[f"{META}.decode_floor"] = f"{decode_floor} ({1 / limit:.4g} tok/s here)"
+                meta[f"{META}.decode_floor"] = (f"{decode_floor} ({tries[-1]['floor_tps']:.4g} tok/s here; the file "
+                                                f"measured {tries[-1]['written_tps']:.4g})")
                 meta[f"{META}.predicted_decode_tps"] = float(1 / plan.predicted_decode_s)
             copy_with_metadata(raw, tmp, meta)
             clock.lap("metadata copy")
@@ -512,10 +537,16 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
                "types": plan.types, "gate_types": {n: t for n, t in plan.types.items() if n.endswith(GATE_UNITS)},
                "sensitivity": sens.to_dict(), "seconds": clock.seconds}
     if cost is not None:
-        summary.update(decode_floor=str(decode_floor), floor_tps=1 / limit,
-                       predicted_decode_tps=1 / plan.predicted_decode_s, decode_cost=cost.to_dict())
+        summary.update(decode_floor=str(decode_floor), floor_tps=1 / cost.limit_s(decode_floor),
+                       predicted_decode_tps=1 / plan.predicted_decode_s, decode_cost=cost.to_dict(),
+                       floor_checks=tries)
     write_json(side, summary, kind="allocation")
     return summary
+
+
+def _check_types(mismatch: dict) -> None:
+    if mismatch:
+        raise QuantgateError(f"llama.cpp wrote other types than the allocation asked for: {list(mismatch.items())[:3]}")
 
 
 class _Phases:

@@ -12,7 +12,9 @@ allocator therefore needs a speed model, and only a measured one is worth anythi
    the threads and KV cache the user will run;
 3. per unit element, the extra seconds a type costs over the base type: (t_type - t_base) / elements at the type.
    The predicted decode time of an assignment is t_base plus its units' extra seconds (linear in the elements;
-   exact for the files it was measured on, checked against the written files by benchmarks/allocator.py).
+   exact for the files it was measured on, only roughly right for a mixture);
+4. the written file is timed against the floor (floor_check); where it falls short, the allocation asks its model
+   for that much more speed and writes again (quant.allocate.FLOOR_TRIES files at most).
 
 A decode floor is given in tok/s (`40`), or as llama.cpp's own type (`Q4_K_M`: as fast as that file, measured in
 the same rounds), or a fraction of it (`0.95xQ4_K_M`); quant.targets parses it.
@@ -111,6 +113,25 @@ def measure_decode_cost(src: Path, units, base: str, types: tuple[str, ...], ref
                       seconds)
     write_json(cached, cost.to_dict())
     return cost
+
+
+def floor_check(written: Path, src: Path, floor: DecodeFloor, threads: int | None, work: Path,
+                im: dict | None = None) -> tuple[float, float]:
+    """(tok/s of the written file, the floor's tok/s), measured now in the same alternated rounds: a floor named by a
+    type has that type written again beside it by llama.cpp's quantizer (removed afterwards); a tok/s floor is its own
+    number. The allocation's speed model is additive per type and misses where per-call overhead is large beside the
+    weights (small models: up to 18% on a loaded machine, benchmarks/results/allocator.md), so the file is checked."""
+    if floor.reference is None:
+        return 1.0 / decode_seconds({"written": written}, threads)["written"], floor.tps
+    paths: list[Path] = []
+    try:
+        ref = _tmp(work, paths)
+        run_quantizer(src, ref, floor.reference, [], im, threads=threads)
+        seconds = decode_seconds({"written": written, "reference": ref}, threads)
+    finally:
+        for q in paths:
+            q.unlink(missing_ok=True)
+    return 1.0 / seconds["written"], floor.fraction / seconds["reference"]
 
 
 def _tmp(work: Path, paths: list[Path]) -> Path:
