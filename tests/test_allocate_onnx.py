@@ -205,16 +205,48 @@ def test_a_target_size_is_the_folders_bytes(export, tmp_path):
 
 def test_an_onnx_decode_floor_is_met_as_predicted_and_one_out_of_reach_is_one_line(export, tmp_path):
     """`--decode-floor int4/32` (or a fraction of it, or tok/s): per-option decode timings taken here, the graph
-    predicted at least that fast, the floor in the folder's metadata; a floor no allocation reaches is one line."""
+    predicted at least that fast, the written graph timed against the floor, both in the folder's metadata (a floor
+    far under int4/32's speed: the check's loop is the scripted test's business); a floor no allocation reaches is
+    one line."""
     out = tmp_path / "floored"
     r = run_cli("quantize", str(export), "--target-bpw", "6", "--sensitivity", "proxy", "--decode-floor",
-                "0.9xINT4/32", "--threads", "1", "--out", str(out), "--json")
+                "0.5xINT4/32", "--threads", "1", "--out", str(out), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     s = json.loads(r.stdout)
-    assert s["decode_floor"] == "0.9xint4/32" and s["predicted_decode_tps"] >= s["floor_tps"] * (1 - 1e-9)
+    assert s["decode_floor"] == "0.5xint4/32" and s["predicted_decode_tps"] >= s["floor_tps"] * (1 - 1e-9)
     assert set(s["decode_cost"]["measured_s"]) == set(ao.OPTIONS) and s["decode_cost"]["protocol"]["kv"] == "f32"
-    assert "decode_floor" in json.loads((out / "quantgate.json").read_text())["quantization"]
+    check = s["floor_checks"][-1]
+    assert check["written_tps"] >= check["floor_tps"] > 0
+    assert "the graph measured" in json.loads((out / "quantgate.json").read_text())["quantization"]["decode_floor"]
     far = run_cli("quantize", str(export), "--target-bpw", "6", "--sensitivity", "proxy", "--decode-floor", "1000000",
                   "--threads", "1", "--out", str(tmp_path / "far"))
     _refused(far, "decode floor out of reach")
     assert not (tmp_path / "far").exists()
+
+
+@pytest.mark.parametrize("script, needle", [
+    ([(90.0, 100.0), (120.0, 100.0)], None),
+    ([(99.0, 100.0)] * 3, "not met by the written graph: 99 tok/s measured against the floor's 100 after 3 graphs"),
+    ([(1.0, 100.0)], "not met by the written graph: 1 tok/s measured against the floor's 100, and no allocation"),
+])
+def test_the_written_graph_is_timed_against_the_floor(export, tmp_path, monkeypatch, script, needle):
+    """As for GGUF: a graph short of the floor (scripted timings) makes the allocation ask its speed model for that
+    much more and write again, the folder holding the last graph; still short after FLOOR_TRIES graphs, or short by
+    more than any allocation is predicted to make up, is one line with nothing written."""
+    from quantgate.errors import QuantgateError
+    from quantgate.quant.targets import parse_floor
+    calls = iter(script)
+    monkeypatch.setattr(ao, "floor_check", lambda *a, **k: next(calls))
+    out = tmp_path / "f"
+    floor = parse_floor("0.5xint4/32", references=ao.OPTIONS)
+    if needle:
+        with pytest.raises(QuantgateError, match=needle):
+            ao.allocate_onnx(export, out, 6.0, sensitivity="proxy", threads=1, decode_floor=floor)
+        assert not out.exists() and not list(tmp_path.iterdir())
+        return
+    s = ao.allocate_onnx(export, out, 6.0, sensitivity="proxy", threads=1, decode_floor=floor)
+    first, second = s["floor_checks"]
+    assert (first["written_tps"], second["written_tps"]) == (90.0, 120.0)
+    assert second["predicted_tps"] >= s["floor_tps"] / 0.9 * (1 - 1e-9) and s["bits_per_weight"] <= 6.0
+    got, _ = _nodes(out)
+    assert {k: v for k, v in got.items() if k in s["types"]} == {k: v for k, v in s["types"].items() if k in got}

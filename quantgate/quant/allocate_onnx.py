@@ -17,7 +17,8 @@ The GGUF allocator's method (quant.allocate) on ONNX Runtime's weight-only forma
    the weight-error proxy instead (proxy_sensitivity: ORT's block quantizer on sampled columns, no calibration).
 3. Allocation: quant.allocate's multiple-choice knapsack on the predicted KLD (base + summed deltas); with a
    decode floor, the same Lagrangian price on decode time as the GGUF floor, from one graph per option timed here
-   (measure_decode_cost).
+   (measure_decode_cost); the written graph is then timed against the floor (floor_check) and, where it falls short,
+   planned for that much more speed and written again (FLOOR_TRIES graphs at most).
 4. The graph is written by ort_weight_only with each node's (bits, block size); quantgate.json's quantization
    names the target and every node's option, and `allocation.json` in the folder holds the sensitivity.
 
@@ -265,6 +266,25 @@ def measure_decode_cost(path: Path, model_dir: Path, graph: Graph, threads: int 
     return cost
 
 
+def floor_check(folder: Path, path: Path, model_dir: Path, graph: Graph, floor: DecodeFloor, threads: int | None,
+                meta: dict) -> tuple[float, float]:
+    """(tok/s of the written graph in `folder`, the floor's tok/s), timed now in the same alternated rounds: a floor
+    named by a uniform option has that graph written again beside it (removed afterwards). The ONNX twin of
+    quant.decode_cost.floor_check: the per-option speed model is only roughly right for a mixture."""
+    if floor.reference is None:
+        return 1.0 / decode_seconds({"written": folder}, threads, kv="f32")["written"], floor.tps
+    with tempfile.TemporaryDirectory(prefix="quantgate-floor-onnx-") as work:
+        ref = Path(work)
+        o = floor.reference
+        write_graph(path, model_dir, ref, graph, {u.name: o if o in u.candidates() else BASE for u in graph.units},
+                    {**meta, "quantization": {"scheme": "probe"}})
+        seconds = decode_seconds({"written": folder, "reference": ref}, threads, kv="f32")
+    return 1.0 / seconds["written"], floor.fraction / seconds["reference"]
+
+
+FLOOR_TRIES = 3  # graphs written and timed against a decode floor before a shortfall is an error
+
+
 def budget_bytes(graph: Graph, other_bytes: int, target_bpw: float | None, target_bytes: int | None) -> int:
     """The units' byte budget for a target in bits per weight (over every fp32 initializer) or in folder bytes
     (model.onnx and its data); one line naming the reachable range when the target is outside it."""
@@ -338,15 +358,44 @@ def allocate_onnx(src: str | Path, out: str | Path, target_bpw: float | None = N
         plan = allocate(graph.units, sens, budget, held_gates(graph.units, plan), cost, limit)
     target = f"{target_bpw:g} bpw" if target_bpw is not None else f"{target_bytes} bytes"
     measured = sens.kind == "measured"
+    def quantization(checks: list[dict]) -> dict:
+        return {"scheme": f"auto@{target}", "target": target, "hold_gates": hold_gates, "sensitivity": sens.kind,
+                "predicted_kld": plan.predicted_kld if measured else None,
+                "calibration": (f"{calib_data}: {sens.windows} windows of {sens.ctx} tokens" if measured
+                                else f"weights: {sens.windows} sampled columns per node"), "source": str(path),
+                "options": plan.types,
+                **({"decode_floor": f"{decode_floor} ({checks[-1]['floor_tps']:.4g} tok/s here; the graph measured "
+                                    f"{checks[-1]['written_tps']:.4g})",
+                    "predicted_decode_tps": 1 / plan.predicted_decode_s} if checks else {})}
+
+    tries: list[dict] = []
     with atomic_dir(out, "onnx") as tmp:
-        write_graph(path, model_dir, tmp, graph, plan.types, {**meta, "quantization": {
-            "scheme": f"auto@{target}", "target": target, "hold_gates": hold_gates, "sensitivity": sens.kind,
-            "predicted_kld": plan.predicted_kld if measured else None,
-            "calibration": (f"{calib_data}: {sens.windows} windows of {sens.ctx} tokens" if measured
-                            else f"weights: {sens.windows} sampled columns per node"), "source": str(path),
-            "options": plan.types,
-            **({"decode_floor": f"{decode_floor} ({1 / limit:.4g} tok/s here)",
-                "predicted_decode_tps": 1 / plan.predicted_decode_s} if cost is not None else {})}})
+        write_graph(path, model_dir, tmp, graph, plan.types, {**meta, "quantization": quantization([])})
+        while cost is not None:  # the written graph against the floor; a shortfall asks the model for more speed
+            got, want = floor_check(tmp, path, model_dir, graph, decode_floor, threads, meta)
+            tries.append({"written_tps": got, "floor_tps": want, "predicted_tps": 1 / plan.predicted_decode_s})
+            if got >= want or len(tries) == FLOOR_TRIES:
+                break
+            limit *= got / want
+            try:
+                plan = allocate(graph.units, sens, budget, None, cost, limit)
+                if hold_gates:
+                    plan = allocate(graph.units, sens, budget, held_gates(graph.units, plan), cost, limit)
+            except QuantgateError as e:
+                if "decode floor out of reach" not in str(e):
+                    raise
+                raise QuantgateError(
+                    f"decode floor not met by the written graph: {got:.4g} tok/s measured against the floor's "
+                    f"{want:.4g}, and no allocation under this budget is predicted that much faster; lower the floor "
+                    f"or raise the budget; nothing was written") from None
+            write_graph(path, model_dir, tmp, graph, plan.types, {**meta, "quantization": quantization([])})
+        if tries and tries[-1]["written_tps"] < tries[-1]["floor_tps"]:
+            raise QuantgateError(
+                f"decode floor not met by the written graph: {tries[-1]['written_tps']:.4g} tok/s measured against "
+                f"the floor's {tries[-1]['floor_tps']:.4g} after {len(tries)} graphs (each asked the speed model for "
+                f"the shortfall); lower the floor or raise the budget; nothing was written")
+        if tries:
+            side_files(model_dir, tmp, {**meta, "quantization": quantization(tries)})
         check_written(tmp, out)
         size = onnx_bytes(tmp)
         if target_bytes is not None and size > target_bytes:  # the margin is an estimate: the file is the truth
@@ -360,7 +409,8 @@ def allocate_onnx(src: str | Path, out: str | Path, target_bpw: float | None = N
                    "gate_types": {u.name: plan.types[u.name] for u in graph.units if u.is_gate},
                    "sensitivity": sens.to_dict()}
         if cost is not None:
-            summary.update(decode_floor=str(decode_floor), floor_tps=1 / limit,
-                           predicted_decode_tps=1 / plan.predicted_decode_s, decode_cost=cost.to_dict())
+            summary.update(decode_floor=str(decode_floor), floor_tps=1 / cost.limit_s(decode_floor),
+                           predicted_decode_tps=1 / plan.predicted_decode_s, decode_cost=cost.to_dict(),
+                           floor_checks=tries)
         write_json(tmp / "allocation.json", summary, kind="allocation")
     return summary
