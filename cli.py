@@ -720,6 +720,8 @@ def attribute(model, scheme, data, n_windows, calib_windows, ctx, json_out):
 @click.option("--backends", default="torch,onnx,gguf", show_default=True, help="comma list of torch, onnx, gguf")
 @click.option("--schemes", default=None,
               help="comma list of backend:scheme (e.g. torch:w8a8-static,onnx:int4,gguf:Q4_K_M,gguf:kv-q4_0); "
+                   "an allocation under a budget is a scheme too: gguf:auto@4.5 (+imatrix, +held, +floor=Q4_K_M, or "
+                   "auto@2.6GB), onnx:auto@5 (+held, auto@40MB), torch:auto@5 (+held); "
                    "default: a set per backend (see quantgate.report.DEFAULT_SCHEMES)")
 @click.option("--windows", type=COUNT, default=64, show_default=True,
               help="held-out windows scored per cell: the bootstrap's units (at least 16 for an interval; "
