@@ -49,7 +49,7 @@ from ..metrics import window_scores
 from ..progress import track
 from ..reference import cache_dir
 from ..runners.open import fixed_ctx, open_runner
-from .decode_cost import DecodeCost, floor_check, measure_decode_cost
+from .decode_cost import DecodeCost, floor_check, floor_missed, measure_decode_cost
 from .llama_cpp import exact_overrides as overrides, importance_matrix, run_quantizer
 from .proxy import ROWS, proxy_deltas, weight_errors
 from .targets import DecodeFloor
@@ -501,19 +501,13 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
                 except QuantgateError as e:
                     if "decode floor out of reach" not in str(e):
                         raise
-                    raise QuantgateError(
-                        f"decode floor not met by the written file: {got:.4g} tok/s measured against the floor's "
-                        f"{want:.4g}, and no allocation under this budget is predicted that much faster; lower the "
-                        f"floor or raise the budget; nothing was written") from None
+                    raise floor_missed("file", got, want) from None
                 written = run_quantizer(src, raw, BASE, overrides(plan.types), im, threads=threads, shown=out)
                 _check_types({n: (t, written.tensor_types.get(n)) for n, t in plan.types.items()
                               if written.tensor_types.get(n) != t})
                 clock.lap("llama.cpp quantizer")
             if tries and tries[-1]["written_tps"] < tries[-1]["floor_tps"]:
-                raise QuantgateError(
-                    f"decode floor not met by the written file: {tries[-1]['written_tps']:.4g} tok/s measured against "
-                    f"the floor's {tries[-1]['floor_tps']:.4g} after {len(tries)} files (each asked the speed model for "
-                    f"the shortfall); lower the floor or raise the budget; nothing was written")
+                raise floor_missed("file", tries[-1]["written_tps"], tries[-1]["floor_tps"], len(tries))
             meta = {f"{META}.target": target, f"{META}.sensitivity": sens.kind, f"{META}.hold_gates": hold_gates,
                     f"{META}.imatrix": imatrix, f"{META}.types_allowed": ",".join(types) if types else "all",
                     f"{META}.calibration": (f"{calib_data}: {sens.windows} windows of {sens.ctx} tokens" if measured

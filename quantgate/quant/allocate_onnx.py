@@ -48,7 +48,7 @@ from ..reference import cache_dir
 from ..runners.open import fixed_ctx, open_runner
 from ..tokenizer import load_tokenizer
 from .allocate import Allocation, Sensitivity, allocate, held_gates
-from .decode_cost import SPEED, DecodeCost, decode_seconds
+from .decode_cost import SPEED, DecodeCost, decode_seconds, floor_missed
 from .ort import GATE_MATMULS, KEPT_FLOAT, side_files
 from .ort_weight_only import Spec, block_quantizer, quantize_weight_only, tied_head, weight_array
 from .targets import DecodeFloor
@@ -384,16 +384,10 @@ def allocate_onnx(src: str | Path, out: str | Path, target_bpw: float | None = N
             except QuantgateError as e:
                 if "decode floor out of reach" not in str(e):
                     raise
-                raise QuantgateError(
-                    f"decode floor not met by the written graph: {got:.4g} tok/s measured against the floor's "
-                    f"{want:.4g}, and no allocation under this budget is predicted that much faster; lower the floor "
-                    f"or raise the budget; nothing was written") from None
+                raise floor_missed("graph", got, want) from None
             write_graph(path, model_dir, tmp, graph, plan.types, {**meta, "quantization": quantization([])})
         if tries and tries[-1]["written_tps"] < tries[-1]["floor_tps"]:
-            raise QuantgateError(
-                f"decode floor not met by the written graph: {tries[-1]['written_tps']:.4g} tok/s measured against "
-                f"the floor's {tries[-1]['floor_tps']:.4g} after {len(tries)} graphs (each asked the speed model for "
-                f"the shortfall); lower the floor or raise the budget; nothing was written")
+            raise floor_missed("graph", tries[-1]["written_tps"], tries[-1]["floor_tps"], len(tries))
         if tries:
             side_files(model_dir, tmp, {**meta, "quantization": quantization(tries)})
         check_written(tmp, out)

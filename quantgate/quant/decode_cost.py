@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import QuantgateError
 from ..formats.kind import GGUF_SUFFIX
 from ..fsio import write_json
 from ..identity import code_id, content_id, key
@@ -132,6 +133,15 @@ def floor_check(written: Path, src: Path, floor: DecodeFloor, threads: int | Non
         for q in paths:
             q.unlink(missing_ok=True)
     return 1.0 / seconds["written"], floor.fraction / seconds["reference"]
+
+
+def floor_missed(what: str, got: float, want: float, tries: int | None = None) -> QuantgateError:
+    """The one line for a written file (`what` "file", or "graph") that misses its floor: after `tries` rewrites, or
+    (None) short by more than any allocation under the budget is predicted to make up."""
+    why = (f" after {tries} {what}s (each asked the speed model for the shortfall)" if tries else
+           ", and no allocation under this budget is predicted that much faster")
+    return QuantgateError(f"decode floor not met by the written {what}: {got:.4g} tok/s measured against the floor's "
+                          f"{want:.4g}{why}; lower the floor or raise the budget; nothing was written")
 
 
 def _tmp(work: Path, paths: list[Path]) -> Path:
