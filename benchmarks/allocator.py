@@ -246,8 +246,8 @@ def merge_variants(old: dict, new: dict, variants: tuple) -> dict:
     variant naming the run that measured it (`variant_runs`: command, commit, minutes)."""
     runs = old.get("variant_runs") or {v: {k: old[k] for k in ("command", "commit", "seconds")}
                                         for v in ("plain", "imatrix") if v in old["twins"][0]}
-    for v in variants:
-        runs[v] = {k: new[k] for k in ("command", "commit", "seconds")}
+    for v in variants:  # the machine's load too: the entry's own `machine` is the first run's
+        runs[v] = {k: new[k] for k in ("command", "commit", "seconds", "machine")}
     for tw_old, tw_new in zip(old["twins"], new["twins"]):
         for v in variants:
             tw_old[v] = tw_new[v]
