@@ -353,9 +353,11 @@ def allocate_onnx(src: str | Path, out: str | Path, target_bpw: float | None = N
     if decode_floor is not None:
         cost = measure_decode_cost(path, model_dir, graph, threads)
         limit = cost.limit_s(decode_floor)
-    plan: Allocation = allocate(graph.units, sens, budget, None, cost, limit)
-    if hold_gates:
-        plan = allocate(graph.units, sens, budget, held_gates(graph.units, plan), cost, limit)
+    def plan_for() -> Allocation:  # under the current limit (a floor check may tighten it)
+        free = allocate(graph.units, sens, budget, None, cost, limit)
+        return allocate(graph.units, sens, budget, held_gates(graph.units, free), cost, limit) if hold_gates else free
+
+    plan = plan_for()
     target = f"{target_bpw:g} bpw" if target_bpw is not None else f"{target_bytes} bytes"
     measured = sens.kind == "measured"
     def quantization(checks: list[dict]) -> dict:
@@ -378,9 +380,7 @@ def allocate_onnx(src: str | Path, out: str | Path, target_bpw: float | None = N
                 break
             limit *= got / want
             try:
-                plan = allocate(graph.units, sens, budget, None, cost, limit)
-                if hold_gates:
-                    plan = allocate(graph.units, sens, budget, held_gates(graph.units, plan), cost, limit)
+                plan = plan_for()
             except QuantgateError as e:
                 if "decode floor out of reach" not in str(e):
                     raise
