@@ -124,7 +124,7 @@ def floored_arm(f32: Path, p: Path, budget: float, best: str, std: dict, model: 
 
 
 def run_twin(work: Path, name: str, model: Path, cache: Path, which: tuple = ("plain", "imatrix"),
-             floor: bool = True) -> dict:
+             floor: bool = True, floor_only: bool = False) -> dict:
     f32 = work / f"{name}-F32.gguf"
     cli("export", "gguf", model, "--out", f32, "--outtype", "f32")
     calib = ["--calib-windows", CALIB["windows"], "--ctx", CALIB["ctx"]]
@@ -139,6 +139,9 @@ def run_twin(work: Path, name: str, model: Path, cache: Path, which: tuple = ("p
             std[t] = {"path": p, "tensor_bpw": tensor_bpw(p), **evaluate(p, model, cache)}
         rows = []
         for b in BUDGETS:
+            if floor_only:
+                rows.append(floor_row(f32, work / f"{name}-auto{b}", b, std, model, cache, calib + imx, env))
+                continue
             arms = {}
             for arm, extra in (("allocator", []), ("gates_held", ["--hold-gates"])):
                 p = work / f"{name}-auto{b}-{arm}{'-im' if im else ''}.gguf"
@@ -191,6 +194,57 @@ def run_twin(work: Path, name: str, model: Path, cache: Path, which: tuple = ("p
             "budgets": rows}
     f32.unlink()
     return {"twin": name, **variants}
+
+
+def floor_row(f32: Path, p: Path, budget: float, std: dict, model: Path, cache: Path, extra: list, env: dict) -> dict:
+    """`--floor-only`: a budget's floored arm alone. The free allocation is written only to find the best standard
+    type at <= its size (the floor, as a full run picks it); it is neither scored nor timed."""
+    try:
+        cli("quantize", f32, "--target-bpw", budget, *extra, "--out", p, env=env)
+    except RuntimeError as e:
+        if "below the smallest file" not in str(e):
+            raise
+        return {"budget_bpw": budget, "unreachable": str(e).partition("error: ")[2].strip()}
+    size = p.stat().st_size
+    p.unlink()
+    Path(str(p) + ".allocation.json").unlink(missing_ok=True)
+    fits = [t for t in STANDARD if std[t]["bytes"] <= size]
+    best = min(fits, key=lambda t: std[t]["kld_mean"]) if fits else None
+    row = {"budget_bpw": budget, "best_standard": best, "free_bytes": size}
+    if best:
+        row["floored"] = floored_arm(f32, p.with_name(p.name + "-floor.gguf"), budget, best, std[best], model, cache,
+                                     extra)
+    print(json.dumps({"floor_only": True, "budget": budget, "best_standard": best,
+                      **({k: row["floored"].get(k) for k in ("vs_best_standard", "unreachable")} if best else {}),
+                      **({"decode": row["floored"]["speed_vs_best_standard"]["decode"]["ratio_median"]}
+                         if best and "speed_vs_best_standard" in row["floored"] else {})}), flush=True)
+    return row
+
+
+def merge_floors(old: dict, new: dict, variants: tuple) -> dict:
+    """`--floor-only`: this run's floored arms put into the arch's earlier rows, once the run shows it trained the
+    same twins (each standard file the same size and KLD: training, llama.cpp's quantizer and the importance matrix
+    are deterministic) and chose the same floor type; each variant names the run that measured its floors."""
+    for tw_old, tw_new in zip(old["twins"], new["twins"]):
+        for v in variants:
+            for t, cell in tw_old[v]["standard"].items():
+                now = tw_new[v]["standard"][t]
+                if now["bytes"] != cell["bytes"] or abs(now["kld_mean"] - cell["kld_mean"]) > 1e-6 * cell["kld_mean"]:
+                    raise RuntimeError(f"{tw_old['twin']} {v} {t}: {now['bytes']} bytes, KLD {now['kld_mean']} now; "
+                                       f"{cell['bytes']}, {cell['kld_mean']} in the entry: not the same twins")
+            rows = {r["budget_bpw"]: r for r in tw_new[v]["budgets"]}
+            for r in tw_old[v]["budgets"]:
+                n = rows.get(r["budget_bpw"])
+                if "floored" not in r or not n or "floored" not in n:
+                    continue
+                if n["best_standard"] != r["best_standard"]:
+                    raise RuntimeError(f"{tw_old['twin']} {v} {r['budget_bpw']}: floor {n['best_standard']} now, "
+                                       f"{r['best_standard']} in the entry")
+                r["floored"] = n["floored"]
+    runs = old.get("floor_runs", {})
+    for v in variants:
+        runs[v] = {k: new[k] for k in ("command", "commit", "seconds", "machine")}
+    return {**old, "floor_runs": runs}
 
 
 def tensor_bpw(path: Path) -> float:
@@ -254,6 +308,23 @@ def merge_variants(old: dict, new: dict, variants: tuple) -> dict:
     return {**old, "variant_runs": runs}
 
 
+def floor_run_words(entry: dict) -> str:
+    """Which run measured the floor rows, where `--floor-only` put them in after the rest."""
+    runs = entry.get("floor_runs")
+    if not runs:
+        return ""
+    return (" Floor rows of " + "; ".join(f"{v}: `{r['command']}` at {r['commit']} ({r['seconds'] / 60:.0f} min)"
+                                          for v, r in runs.items())
+            + " (the twins trained again by the same recipe; every standard file's size and KLD equal the entry's).")
+
+
+def checked_cell(f: dict) -> str:
+    checks = f.get("floor_checks")
+    if not checks:
+        return "none"
+    return f"{checks[-1]['written_tps']:.0f} / {checks[-1]['floor_tps']:.0f} ({len(checks)})"
+
+
 def protocol_words(runtime: str, kv: str) -> str:
     return (f"Ratios: mean KLD, paired window bootstrap, 95% interval. Speed: {runtime}, {SPEED['threads']} thread, "
             f"{kv}, prefill {SPEED['prefill']} then decode {SPEED['decode']}, median per-round ratio of "
@@ -302,15 +373,17 @@ def write_tables(result: dict) -> None:
             lines += ["", "With a decode floor (`--decode-floor TYPE --threads 1`, TYPE the best standard type at <= "
                       "the free allocation's size): the allocation predicted at least as fast as TYPE from per-type "
                       "decode timings, against the same standard file. Predicted tok/s is the allocator's model; "
-                      "the measured ratio is the speed pair's (median per-round ratio [min, max]).", "",
+                      "the measured ratio is the speed pair's (median per-round ratio [min, max]). Checked: the "
+                      "written file's tok/s against the floor's, timed by quantize in alternated rounds (files "
+                      "written; none: a run before the check, prediction only)." + floor_run_words(entry), "",
                       "| twin | imatrix | budget | floor | bpw | KLD [95%] | alloc/standard KLD | decode alloc/std | "
-                      "prefill alloc/std | predicted / floor tok/s | free arm's KLD ratio |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|"]
+                      "prefill alloc/std | predicted / floor tok/s | checked tok/s (files) | free arm's KLD ratio |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
             for tw, var, r in floored:
                 f = r["floored"]
                 head = f"| {tw['twin']} | {'yes' if var == 'imatrix' else 'no'} | {r['budget_bpw']} | {f['floor']} |"
                 if "unreachable" in f:
-                    lines.append(f"{head} unreachable: {f['unreachable']} |" + " |" * 6)
+                    lines.append(f"{head} unreachable: {f['unreachable']} |" + " |" * 7)
                     continue
                 c, sp, ci = f["vs_best_standard"], f["speed_vs_best_standard"], f["kld_mean_ci95"]
                 free = r["allocator_vs_best_standard"]
@@ -318,7 +391,8 @@ def write_tables(result: dict) -> None:
                              f"{c['ratio']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}] | "
                              f"{sp['decode']['ratio_median']:.3f} [{sp['decode']['ratio_range'][0]:.2f}, "
                              f"{sp['decode']['ratio_range'][1]:.2f}] | {sp['prefill']['ratio_median']:.3f} | "
-                             f"{f['predicted_decode_tps']:.0f} / {f['floor_tps']:.0f} | {free['ratio']:.3f} |")
+                             f"{f['predicted_decode_tps']:.0f} / {f['floor_tps']:.0f} | {checked_cell(f)} | "
+                             f"{free['ratio']:.3f} |")
         lines += ["", "llama.cpp's standard types on the same twins (bits per weight as llama.cpp counts them: tensor "
                   "bytes; the file adds its header; then mean KLD):", "",
                   "| twin | imatrix | " + " | ".join(STANDARD) + " |", "|---|---|" + "---|" * len(STANDARD)]
@@ -409,6 +483,10 @@ def main() -> None:
     ap.add_argument("--keep-run", default=None, help="train the twins into this folder once and reuse them")
     ap.add_argument("--variants", default="plain,imatrix", help="plain, imatrix or both (comma-separated)")
     ap.add_argument("--no-floor", action="store_true", help="skip the decode floor's arm")
+    ap.add_argument("--floor-only", action="store_true",
+                    help="measure only the decode floor's arms (with the standard types they are compared with) and "
+                         "put them into --arch's entry, which must hold --variants already; the twins are checked to "
+                         "be the same ones (each standard file's size and KLD)")
     ap.add_argument("--tables-only", action="store_true", help="rewrite allocator.md and .png from the JSON")
     ap.add_argument("--merge", action="store_true", help="keep --arch's entry and add this run's --variants to it (e.g. "
                     "the imatrix rows of a pair measured plain before); each variant names the run that measured it")
@@ -427,13 +505,17 @@ def main() -> None:
         variants = tuple(args.variants.split(","))
         entry = {
             "command": f"python benchmarks/allocator.py --arch {args.arch} --steps {args.steps} --variants "
-                       f"{args.variants}{' --no-floor' if args.no_floor else ''}{' --merge' if args.merge else ''}",
+                       f"{args.variants}{' --no-floor' if args.no_floor else ''}{' --merge' if args.merge else ''}"
+                       f"{' --floor-only' if args.floor_only else ''}",
             "speed": SPEED,
             **train_and_run(args.arch, args.steps, args.keep_run, "allocator",
                             lambda work, name, model, cache: run_twin(work, name, model, cache, variants,
-                                                                      not args.no_floor))}
+                                                                      not args.no_floor, args.floor_only))}
         old = result["archs"].get(args.arch)
-        result["archs"][args.arch] = merge_variants(old, entry, variants) if args.merge and old else entry
+        if args.floor_only:
+            result["archs"][args.arch] = merge_floors(old, entry, variants)
+        else:
+            result["archs"][args.arch] = merge_variants(old, entry, variants) if args.merge and old else entry
         path.write_text(json.dumps(result, indent=1) + "\n")
     write_tables(result)
     plot(result)
