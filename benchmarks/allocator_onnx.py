@@ -27,7 +27,7 @@ import json
 import time
 from pathlib import Path
 
-from allocator import (CALIB, EVAL, RESULTS, SPEED, cli, compare_cells, paired_ratio, protocol_words,
+from allocator import (CALIB, EVAL, RESULTS, SPEED, checked_cell, cli, compare_cells, paired_ratio, protocol_words,
                        run_words, speed_pair, train_and_run)
 from allocator_proxy import rank_agreement
 
@@ -119,12 +119,13 @@ def floored_arm(fp32: Path, d: Path, budget: float, best: str, std: dict, model:
         s = json.loads(cli("quantize", fp32, "--target-bpw", budget, *calib, "--decode-floor", best, "--threads",
                            SPEED["threads"], "--out", d, "--json", env={"QUANTGATE_CACHE": str(cache)}))
     except RuntimeError as e:
-        if "decode floor out of reach" not in str(e):
+        if "decode floor out of reach" not in str(e) and "decode floor not met" not in str(e):
             raise
         return {"floor": best, "unreachable": str(e).partition("error: ")[2].strip()}
     ev = evaluate(d, model, cache)
     out = {"floor": best, "seconds": round(time.perf_counter() - t0, 1), "bits_per_weight": s["bits_per_weight"],
-           "predicted_decode_tps": s["predicted_decode_tps"], "floor_tps": s["floor_tps"], "types": s["types"],
+           "predicted_decode_tps": s["predicted_decode_tps"], "floor_tps": s["floor_tps"],
+           "floor_checks": s.get("floor_checks"), "types": s["types"],
            **{k: v for k, v in ev.items() if k != "per_window"},
            "vs_best_standard": paired_ratio(ev["per_window"], std["per_window"]),
            "speed_vs_best_standard": speed_pair(d, std["path"], kv="f32")}
@@ -163,20 +164,23 @@ def write_tables(result: dict) -> None:
         if floored:
             lines += ["", "With a decode floor (`--decode-floor RECIPE --threads 1`, RECIPE the best uniform recipe no "
                       "larger than the free allocation): predicted at least as fast as RECIPE from per-option decode "
-                      "timings, against the same recipe's graph (measured ratio: median per-round [min, max]).", "",
+                      "timings, against the same recipe's graph (measured ratio: median per-round [min, max]). "
+                      "Checked: the written graph's tok/s against the floor's, timed by quantize in alternated rounds "
+                      "(graphs written; none: a run before the check, prediction only).", "",
                       "| twin | budget | floor | bpw | KLD [95%] | alloc/uniform KLD | decode alloc/uniform | "
-                      "predicted / floor tok/s | free arm's KLD ratio |", "|---|---|---|---|---|---|---|---|---|"]
+                      "predicted / floor tok/s | checked tok/s (graphs) | free arm's KLD ratio |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
             for tw, r in floored:
                 f = r["floored"]
                 head = f"| {tw['twin']} | {r['budget_bpw']} | {f['floor']} |"
                 if "unreachable" in f:
-                    lines.append(f"{head} unreachable: {f['unreachable']} |" + " |" * 5)
+                    lines.append(f"{head} unreachable: {f['unreachable']} |" + " |" * 6)
                     continue
                 c, sp, ci = f["vs_best_standard"], f["speed_vs_best_standard"]["decode"], f["kld_mean_ci95"]
                 lines.append(f"{head} {f['bits_per_weight']:.3f} | {f['kld_mean']:.4g} [{ci[0]:.4g}, {ci[1]:.4g}] | "
                              f"{c['ratio']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}] | {sp['ratio_median']:.3f} "
                              f"[{sp['ratio_range'][0]:.2f}, {sp['ratio_range'][1]:.2f}] | "
-                             f"{f['predicted_decode_tps']:.0f} / {f['floor_tps']:.0f} | "
+                             f"{f['predicted_decode_tps']:.0f} / {f['floor_tps']:.0f} | {checked_cell(f)} | "
                              f"{r['allocator_vs_best_standard']['ratio']:.3f} |")
         if any("proxy_rank_agreement" in tw for tw in e["twins"]):
             lines += ["", "The weight-error proxy (`--sensitivity proxy`: ORT's block quantizer on 256 sampled columns "
