@@ -238,6 +238,36 @@ def test_metadata_copy_keeps_every_tensor_byte_and_adds_or_replaces_keys(f32_ggu
     assert all(str(a.fields[k].contents()) == str(b.fields[k].contents()) for k in kept if not k.startswith("GGUF."))
 
 
+@pytest.mark.parametrize("path", ["kernel", "kernel refuses part-way", "no kernel copy"])
+def test_the_data_copy_appends_every_byte_from_the_offset(tmp_path, monkeypatch, path):
+    """copy_with_metadata's tail copy: the kernel's copy_file_range, a refusal after part of it (the rest by
+    chunks, from where it stopped), and a system without it give the same bytes at the writer's position."""
+    import os
+
+    from quantgate.formats import gguf_metadata
+    data = np.random.default_rng(0).integers(0, 256, size=3_000_017, dtype=np.uint8).tobytes()
+    src = tmp_path / "src.bin"
+    src.write_bytes(data)
+    monkeypatch.setattr(gguf_metadata, "COPY_CHUNK", 65_536)
+    if path == "kernel refuses part-way":
+        real, calls = os.copy_file_range, []
+
+        def partial(fi, fo, n, a, b):
+            calls.append(n)
+            if len(calls) > 1:
+                raise OSError(22, "refused")
+            return real(fi, fo, min(n, 1_000_003), a, b)
+        monkeypatch.setattr(os, "copy_file_range", partial)
+    elif path == "no kernel copy":
+        monkeypatch.delattr(os, "copy_file_range", raising=False)
+    with open(src, "rb") as fin, open(tmp_path / "out.bin", "wb") as out:
+        out.write(b"header--")
+        gguf_metadata.copy_tail(fin, 1234, out)
+        out.write(b"!")
+    assert (tmp_path / "out.bin").read_bytes() == b"header--" + data[1234:] + b"!"
+    assert src.read_bytes() == data
+
+
 def test_a_budget_scheme_runs_the_allocator_with_an_importance_matrix(f32_gguf, tmp_path, monkeypatch, sens_cache):
     """`gguf:auto@6+imatrix`, as a report cell names it: the registry's config, quantize's one door, and
     sensitivity measured with the importance matrix (other numbers than without it; the plain one is the CLI
