@@ -399,10 +399,13 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
                    "as that file of this model) or a fraction of one (0.95xQ4_K_M); types such as IQ4_XS, Q3_K and "
                    "Q5_K decode slower on a CPU than their size suggests. One file per type is written and timed: "
                    "seconds for a small model, as long as eight plain quantizations for a large one; then the written "
-                   "file is timed against the floor and written again (three files at most) where it falls short")
+                   "file is timed against the floor in alternated rounds and written again (three files at most) where it is "
+                   "measurably slower (a sign test over the rounds). A floor of at most 1x a type whose file fits the "
+                   "budget takes that type's own per-tensor types where they are predicted to lose less KLD, or where "
+                   "nothing else is fast enough")
 @click.option("--types", "alloc_types", default=None, metavar="LIST",
               help="with --target-bpw/--target-size on a GGUF: the llama.cpp types the allocation may use, comma-"
-                   "separated (default: Q2_K,Q3_K,IQ4_XS,Q4_K,Q5_K,Q6_K,Q8_0, and Q4_0,Q5_0,IQ4_NL for rows not a "
+                   "separated (default: Q2_K,Q3_K,IQ4_XS,Q4_K,Q5_K,Q6_K,Q8_0, and Q4_0,Q5_0,Q5_1,IQ4_NL for rows not a "
                    "multiple of 256; Q8_0 is always allowed). E.g. leave out IQ4_XS: llama.cpp quantizes it about 3x "
                    "slower than Q4_K (most of a 9B allocation's time when it is chosen) and some runtimes lack fast "
                    "kernels for it")

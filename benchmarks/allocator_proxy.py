@@ -12,6 +12,10 @@ trained here): for each twin's F32 GGUF,
    standard type at <= the proxy file's size, mean KLD against the float twin on 64 test windows of 128 tokens,
    with paired window-bootstrap ratios proxy / measured and proxy / standard.
 
+`--part rows` (with `--run DIR`, whose cache holds the measured sensitivity): the proxy at 256, 128 and 64 sampled
+rows per tensor, three row draws each: seconds, rank agreement, and its allocations' KLD as the measured deltas
+predict it, over the measured allocation's (part_rows).
+
 `--part scale`: a Qwen3.5-9B-shape checkpoint with random bf16 weights (benchmarks/scale.py's writer), exported to
 a bf16 GGUF, then `quantize --type Q4_K_M` and `quantize --target-size <that file's size> --sensitivity proxy`, each
 in its own process: wall time and peak RSS of its largest process (getrusage of the waited children, one command
@@ -20,6 +24,7 @@ here); its time and memory against plain quantization are the point. Every file 
 written; needs ~45 GB free.
 
     python benchmarks/allocator_proxy.py --part rank --run /tmp/qg/medrun
+    python benchmarks/allocator_proxy.py --part rows --run /tmp/qg/medrun
     python benchmarks/allocator_proxy.py --part scale [--work DIR] [--shape qwen35-9b]
 
 Each part replaces its entry in benchmarks/results/allocator_proxy.json and rewrites allocator_proxy.md.
@@ -182,6 +187,56 @@ def part_rank(run: Path, cache: Path) -> dict:
     return out
 
 
+ROWS_TRIED = (256, 128, 64)
+SEEDS = (0, 1, 2)
+
+
+def part_rows(run: Path, cache: Path) -> dict:
+    """How many sampled rows the proxy needs: for each twin of the trained pair, the proxy at each of ROWS_TRIED rows
+    per tensor and SEEDS row draws, its seconds, its rank agreement with the measured sensitivity, and at each
+    budget the KLD its allocation is predicted to carry by the measured deltas (the model the measured allocator
+    minimises; no file written) over the measured allocation's, so that a sample smaller than 256 rows is chosen
+    only where it loses nothing beyond the spread between draws."""
+    from quantgate.formats.gguf import open_reader
+    from quantgate.quant.allocate import BASE, allocate, proxy_sensitivity, units_of
+    os.environ["QUANTGATE_CACHE"] = str(cache)
+    out = {"run": str(run), "rows": list(ROWS_TRIED), "seeds": list(SEEDS), "budgets": list(BUDGETS), "twins": []}
+    with tempfile.TemporaryDirectory(prefix="quantgate-proxy-rows-") as tmp:
+        for name in ("baseline", "gated"):
+            f32 = Path(tmp) / f"{name}-F32.gguf"
+            cli("export", "gguf", run / name, "--out", f32, "--outtype", "f32")
+            found = measured_from(cache, f32, units_of(f32))
+            if not found:
+                raise RuntimeError(f"no measured sensitivity of {run / name} in {cache}: run benchmarks/allocator.py "
+                                   f"--arch medium --keep-run {run} first")
+            meas = found[0]
+            units = [u for u in units_of(f32) if u.name in meas.delta]
+            tensors = open_reader(f32).tensors
+            total = sum(int(np.prod([int(d) for d in t.shape])) for t in tensors)
+            other = sum(int(t.n_bytes) for t in tensors if t.name not in meas.delta)
+            budgets = {b: int(b * total / 8) - other for b in BUDGETS}
+            best = {b: allocate(units, meas, n).predicted_kld for b, n in budgets.items()}
+
+            def predicted(types: dict) -> float:
+                return meas.base_kld + sum(meas.delta[u.name][types[u.name]] for u in units)
+            tw = {"twin": name, "tensors": len(units), "draws": [],
+                  "measured_predicted_kld": {str(b): k for b, k in best.items()}}
+            for rows in ROWS_TRIED:
+                for seed in SEEDS:
+                    t0 = time.perf_counter()
+                    prox = proxy_sensitivity(f32, units, rows=rows, seed=seed)
+                    d = {"rows": rows, "seed": seed, "seconds": round(time.perf_counter() - t0, 2),
+                         "rho_all": rank_agreement(meas.delta, prox.delta, base=BASE)["rho"],
+                         "rho_one_type": rank_agreement(meas.delta, prox.delta, [ONE_TYPE], base=BASE)["rho"],
+                         "predicted_over_measured": {str(b): predicted(allocate(units, prox, n).types) / best[b]
+                                                     for b, n in budgets.items()}}
+                    tw["draws"].append(d)
+                    print(json.dumps({"twin": name, **d}), flush=True)
+            f32.unlink()
+            out["twins"].append(tw)
+    return out
+
+
 def part_scale(shape: str, work: Path) -> dict:
     import scale
     cfg = scale.SHAPES[shape]()
@@ -262,6 +317,31 @@ def _brief(r: dict) -> dict:
             "own_peak_line": r.get("own_peak_line"), "error_line": r.get("error_line")}
 
 
+def rows_table(e: dict) -> list[str]:
+    """Per twin and rows per tensor: seconds, rho (mean and range over the draws), and per budget the allocation's
+    predicted KLD over the measured allocation's (mean and range over the draws)."""
+    lines = ["## How many rows the proxy samples", "",
+             f"`{e['command']}` at {e['commit']} ({e['seconds'] / 60:.0f} min). For each rows per tensor, {len(e['seeds'])} "
+             "row draws (seeds): the proxy's seconds, Spearman's rho with the measured sensitivity (all pairs; across "
+             f"tensors at {ONE_TYPE}), and the KLD of its allocation at each budget as the measured per-tensor deltas "
+             "predict it (additive, no file written), over the measured allocation's: mean [min, max] over the "
+             "draws.", "",
+             "| twin | rows | seconds | rho all | rho at " + ONE_TYPE + " | "
+             + " | ".join(f"predicted KLD / measured alloc's at {b}" for b in e["budgets"]) + " |",
+             "|---|---|---|---|---|" + "---|" * len(e["budgets"])]
+
+    def span(xs: list[float]) -> str:
+        return f"{np.mean(xs):.3f} [{min(xs):.3f}, {max(xs):.3f}]"
+    for tw in e["twins"]:
+        for rows in e["rows"]:
+            ds = [d for d in tw["draws"] if d["rows"] == rows]
+            lines.append(f"| {tw['twin']} | {rows} | {np.median([d['seconds'] for d in ds]):.2f} | "
+                         f"{span([d['rho_all'] for d in ds])} | {span([d['rho_one_type'] for d in ds])} | "
+                         + " | ".join(span([d["predicted_over_measured"][str(b)] for d in ds]) for b in e["budgets"])
+                         + " |")
+    return lines + [""]
+
+
 def write_tables(result: dict) -> None:
     lines = ["# The allocator's weight-error proxy", ""]
     if "rank" in result:
@@ -299,6 +379,8 @@ def write_tables(result: dict) -> None:
                     cells += ["none this small", "-", "-"]
                 lines.append(f"| {tw['twin']} | {r['budget_bpw']} | " + " | ".join(cells) + " |")
         lines.append("")
+    if "rows" in result:
+        lines += rows_table(result["rows"])
     if "scale" in result:
         e = result["scale"]
         s = e["result"]
@@ -336,7 +418,7 @@ def write_tables(result: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=("rank", "scale"), required=False)
+    ap.add_argument("--part", choices=("rank", "rows", "scale"), required=False)
     ap.add_argument("--run", default=None, help="rank: the trained pair (train --twins --preset medium)")
     ap.add_argument("--steps", type=int, default=300, help="rank without --run: train the medium pair this long")
     ap.add_argument("--shape", default="qwen35-9b")
@@ -359,6 +441,13 @@ def main() -> None:
             r = part_rank(run, cache)
         result["rank"] = {"command": "python benchmarks/allocator_proxy.py --part rank"
                                      + (f" --run {args.run}" if args.run else f" --steps {args.steps}"),
+                          "commit": commit, "machine": machine, "seconds": round(time.perf_counter() - t0, 1), **r}
+    elif args.part == "rows":
+        if not args.run:
+            raise SystemExit("--part rows needs --run DIR (benchmarks/allocator.py --arch medium --keep-run DIR)")
+        run = Path(args.run)
+        r = part_rows(run, run.parent / f"{run.name}-cache")
+        result["rows"] = {"command": f"python benchmarks/allocator_proxy.py --part rows --run {args.run}",
                           "commit": commit, "machine": machine, "seconds": round(time.perf_counter() - t0, 1), **r}
     elif args.part == "scale":
         work = Path(args.work or tempfile.gettempdir()) / "qg-alloc-scale"

@@ -19,7 +19,7 @@ def _sens(units, rng):
     delta = {}
     for u in units:
         scale = rng.uniform(0.1, 5.0)
-        delta[u.name] = {t: scale * 2.0 ** (-{"IQ4_NL": 4.7, "Q4_0": 4.5, "Q5_0": 5.5, "Q8_0": 8.5}[t]) * (t != "Q8_0")
+        delta[u.name] = {t: scale * 2.0 ** (-{"IQ4_NL": 4.7, "Q4_0": 4.5, "Q5_0": 5.5, "Q5_1": 6.0, "Q8_0": 8.5}[t]) * (t != "Q8_0")
                          for t in u.candidates()}
     return Sensitivity(0.01, delta, 4, 64, "embedded")
 
@@ -47,7 +47,7 @@ def _cost(units, rng):
     """A speed model in which the types decode at their own pace, none in order of its bits (as on a CPU, where
     Q5_0 dequantizes slower than Q8_0)."""
     from quantgate.quant.decode_cost import DecodeCost
-    per = {"IQ4_NL": 3e-9, "Q4_0": -1e-9, "Q5_0": 4e-9, "Q8_0": 0.0}
+    per = {"IQ4_NL": 3e-9, "Q4_0": -1e-9, "Q5_0": 4e-9, "Q5_1": 5e-9, "Q8_0": 0.0}
     return DecodeCost(1e-3, {t: v * rng.uniform(0.5, 1.5) for t, v in per.items()}, {}, 1, {})
 
 
@@ -81,6 +81,53 @@ def test_a_decode_floor_is_met_and_costs_no_more_kld_than_it_must(seed):
     assert moved or fastest == pytest.approx(t_free)  # the floor changed the answer where it bound
     with pytest.raises(QuantgateError, match="decode floor out of reach"):
         allocate(units, sens, budget, None, cost, fastest * 0.9)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_floor_named_by_a_type_is_never_allocated_worse_than_that_types_recipe(seed):
+    """With a floor of at most 1x a llama.cpp type, that type's own per-tensor types meet it by definition: where
+    they are predicted to lose less than the allocation predicted fast enough, or where no allocation is predicted
+    fast enough, they are the answer. A floor above 1x, a recipe over the budget or with a type a unit does not take
+    leaves the allocation (or the out-of-reach line) as it was."""
+    from quantgate.quant.allocate import floor_plan, recipe_plan
+    rng = np.random.default_rng(seed)
+    units = [Unit(f"blk.{i}.ffn_up.weight", int(rng.integers(1, 9)) * 4096, 64) for i in range(6)]
+    sens, cost = _sens(units, rng), _cost(units, rng)
+    cost.reference_types = {u.name: "Q5_0" if i % 2 else "Q4_0" for i, u in enumerate(units)}
+    recipe_s = cost.predict(units, cost.reference_types)
+    budget = int(np.mean([sum(u.bytes("Q5_0") for u in units), sum(u.bytes("Q8_0") for u in units)]))
+    floor = parse_floor("Q4_0")
+    recipe = recipe_plan(units, sens, cost, floor, budget)
+    assert recipe.types == cost.reference_types and recipe.recipe == "Q4_0"
+    assert recipe.predicted_kld == pytest.approx(0.01 + sum(sens.delta[n][t] for n, t in recipe.types.items()))
+    for limit in (recipe_s * 0.5, recipe_s, recipe_s * 1.5):
+        plan = floor_plan(units, sens, budget, cost, limit, floor)
+        try:
+            alloc = allocate(units, sens, budget, None, cost, limit)
+        except QuantgateError:
+            assert plan.types == recipe.types  # nothing predicted fast enough: the recipe
+            continue
+        assert plan.predicted_kld == pytest.approx(min(alloc.predicted_kld, recipe.predicted_kld))
+        assert (plan.recipe == "Q4_0") == (recipe.predicted_kld < alloc.predicted_kld)
+    assert recipe_plan(units, sens, cost, parse_floor("1.1xQ4_0"), budget) is None
+    assert recipe_plan(units, sens, cost, floor, recipe.unit_bytes - 1) is None
+    cost.reference_types[units[0].name] = "Q6_K"  # not a candidate of these rows
+    assert recipe_plan(units, sens, cost, floor, budget) is None
+    with pytest.raises(QuantgateError, match="decode floor out of reach"):
+        floor_plan(units, sens, budget, cost, 1e-12, floor)
+
+
+def test_a_written_file_misses_its_floor_only_when_measurably_slower():
+    """The floor check's sign test: a file meets its floor unless at most sign_k(n) of n alternated rounds are as
+    fast as the floor (P <= 5% for a file no slower); the ratio it replans by is the median per-round ratio."""
+    from quantgate.quant.decode_cost import FloorCheck, sign_k
+    assert [sign_k(n) for n in (1, 4, 5, 9, 20)] == [-1, -1, 0, 1, 5]
+    noisy = FloorCheck(95.0, 100.0, [0.7, 1.2, 0.9, 1.05, 0.8, 1.3, 0.95, 0.9, 1.1])
+    assert noisy.met and noisy.ratio == pytest.approx(0.95)
+    short = FloorCheck(90.0, 100.0, [0.9, 0.92, 0.88, 1.01, 0.9, 0.95, 0.85, 0.9, 0.93])
+    assert not short.met and short.ratio == pytest.approx(0.9)
+    d = short.to_dict()
+    assert d["rounds"] == 9 and d["ratio_range"] == [0.85, 1.01] and d["met"] is False
 
 
 def test_decode_floors_parse_and_bad_ones_are_one_line():
@@ -302,8 +349,13 @@ def test_the_written_file_is_timed_against_the_floor(f32_gguf, tmp_path, monkeyp
     under the budget is predicted to make up, is one line with nothing written."""
     from quantgate.quant import allocate as al
     monkeypatch.setenv("QUANTGATE_CACHE", str(sens_cache))
+    from quantgate.quant.decode_cost import FloorCheck
     calls = iter(script)
-    monkeypatch.setattr(al, "floor_check", lambda *a, **k: next(calls))
+
+    def check(*_a, **_k):  # every round at the scripted ratio
+        got, want = next(calls)
+        return FloorCheck(got, want, [got / want] * 9)
+    monkeypatch.setattr(al, "floor_check", check)
     out = tmp_path / "f.gguf"
     args = (f32_gguf, out, 6.0, None, "embedded", 2, 32, 0, 1, False, False, parse_floor("0.5xQ8_0"))
     if needle:
@@ -317,6 +369,32 @@ def test_the_written_file_is_timed_against_the_floor(f32_gguf, tmp_path, monkeyp
     # the second file was planned for 1/0.9 of the floor's predicted speed
     assert second["predicted_tps"] >= s["floor_tps"] / 0.9 * (1 - 1e-9) and s["bits_per_weight"] <= 6.0
     assert s["predicted_decode_tps"] == pytest.approx(second["predicted_tps"])
+
+
+def test_a_floor_file_short_every_time_gets_the_floor_types_own_recipe(f32_gguf, tmp_path, monkeypatch, sens_cache):
+    """A floor named by a type that fits the budget: files measurably slower ask for more speed, and where none is
+    predicted (or after FLOOR_TRIES files) the file is the floor type's own recipe, byte for byte its tensor types,
+    which the metadata and the summary say (scripted timings; the recipe is not timed)."""
+    from gguf import GGUFReader
+
+    from quantgate.quant import allocate as al
+    from quantgate.quant.decode_cost import FloorCheck
+    from quantgate.quant.llama_cpp import run_quantizer
+    monkeypatch.setenv("QUANTGATE_CACHE", str(sens_cache))
+    checks = []
+
+    def check(*_a, **_k):
+        checks.append(FloorCheck(50.0, 100.0, [0.5] * 9))
+        return checks[-1]
+    monkeypatch.setattr(al, "floor_check", check)
+    out = tmp_path / "f.gguf"
+    s = al.allocate_gguf(f32_gguf, out, 7.0, None, "embedded", 2, 32, 0, 1, False, False, parse_floor("Q4_K_M"))
+    assert s["floor_recipe"] == "Q4_K_M" and len(s["floor_checks"]) == len(checks) <= al.FLOOR_TRIES
+    assert all(not c["met"] for c in s["floor_checks"]) and s["bits_per_weight"] <= 7.0
+    ref = run_quantizer(f32_gguf, tmp_path / "q4_k_m.gguf", "Q4_K_M", [])
+    assert s["types"] == {n: ref.tensor_types[n] for n in s["types"]}
+    assert GGUFReader(out).fields["quantgate.allocation.decode_floor"].contents().startswith(
+        "Q4_K_M (met by Q4_K_M's own tensor types")
 
 
 def test_report_settings_take_budget_cells_and_refuse_bad_ones(tmp_path):

@@ -42,7 +42,7 @@ from ..errors import QuantgateError
 from ..formats import load_checkpoint
 from ..formats.gguf_metadata import copy_with_metadata
 from ..formats.kind import GGUF_SUFFIX
-from ..formats.gguf import inspect_gguf, open_reader, tokenizer_from_gguf
+from ..formats.gguf import GGUFInfo, inspect_gguf, open_reader, tokenizer_from_gguf
 from ..fsio import atomic_path, check_output, write_json
 from ..identity import code_id, content_id, key
 from ..metrics import window_scores
@@ -55,7 +55,10 @@ from .proxy import ROWS, proxy_deltas, weight_errors
 from .targets import DecodeFloor
 
 CANDIDATES = ("Q2_K", "Q3_K", "IQ4_XS", "Q4_K", "Q5_K", "Q6_K", "Q8_0")  # types llama.cpp's own mixtures use
-SMALL_ROW_CANDIDATES = ("IQ4_NL", "Q4_0", "Q5_0", "Q8_0")  # rows not a multiple of 256: 32-blocks (llama.cpp's fallbacks)
+# rows not a multiple of 256: 32-blocks, llama.cpp's own fallbacks for its k-quants there (IQ4_NL for Q2_K-IQ4_XS,
+# Q5_0 for Q4_K, Q5_1 for Q5_K, Q8_0 for Q6_K), so that every standard type's recipe is an allocation (a decode
+# floor's recipe_plan), and Q4_0
+SMALL_ROW_CANDIDATES = ("IQ4_NL", "Q4_0", "Q5_0", "Q5_1", "Q8_0")
 BASE = "Q8_0"  # every unit's type while another one is measured
 GATE_UNITS = (".attn_q.weight", ".attn_gate.weight", ".ssm_alpha.weight", ".ssm_beta.weight", ".ssm_out.weight")
 
@@ -232,6 +235,41 @@ class Allocation:
     predicted_kld: float
     budget_bytes: int
     predicted_decode_s: float | None = None
+    recipe: str | None = None  # the floor's own llama.cpp type, where its per-tensor types are this allocation
+
+
+def recipe_plan(units: list[Unit], sens: Sensitivity, cost: DecodeCost | None, floor: DecodeFloor | None,
+                budget_bytes: int) -> Allocation | None:
+    """The floor's own recipe as an allocation: the per-tensor types llama.cpp gave the floor's reference type on
+    this model, which decodes as fast as the floor by definition (a floor of at most 1x that type). None where the
+    floor names no type or asks more than 1x, where a unit's type there is not one of its candidates, or where the
+    recipe does not fit the budget."""
+    if cost is None or floor is None or floor.reference is None or floor.fraction > 1 or not cost.reference_types:
+        return None
+    types = {u.name: cost.reference_types.get(u.name) for u in units}
+    if any(t not in u.candidates() or t not in sens.delta[u.name] for u in units for t in [types[u.name]]):
+        return None
+    if sum(u.bytes(types[u.name]) for u in units) > budget_bytes:
+        return None
+    plan = _plan(types, units, sens, budget_bytes)
+    plan.predicted_decode_s, plan.recipe = cost.predict(units, types), floor.reference
+    return plan
+
+
+def floor_plan(units: list[Unit], sens: Sensitivity, budget_bytes: int, cost: DecodeCost, limit_s: float,
+               floor: DecodeFloor) -> Allocation:
+    """The allocation under a decode floor: the KLD-optimal one predicted fast enough, or the floor's own recipe
+    (recipe_plan) where that is predicted to lose less KLD or no allocation is predicted fast enough. The recipe's
+    speed is the floor's, so the allocator is never worse than the file the user measured it against; it can only
+    be that file's types."""
+    recipe = recipe_plan(units, sens, cost, floor, budget_bytes)
+    try:
+        plan = allocate(units, sens, budget_bytes, None, cost, limit_s)
+    except QuantgateError as e:
+        if recipe is None or "decode floor out of reach" not in str(e):
+            raise
+        return recipe
+    return recipe if recipe is not None and recipe.predicted_kld < plan.predicted_kld else plan
 
 
 BUCKETS = 4000  # the budget's resolution in the allocation's dynamic program
@@ -462,8 +500,17 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
 
     def plan_for(kept: list[Unit]) -> Allocation:
         budget = budget_for(kept)
+        if cost is not None and not hold_gates:  # the held arm holds the gates, which the floor's recipe does not
+            return floor_plan(kept, sens, budget, cost, limit, decode_floor)
         p = allocate(kept, sens, budget, None, cost, limit)
         return allocate(kept, sens, budget, held_gates(kept, p), cost, limit) if hold_gates else p
+
+    def write(plan: Allocation) -> GGUFInfo:
+        written = run_quantizer(src, raw, BASE, overrides(plan.types), im, threads=threads, shown=out)
+        _check_types({n: (t, written.tensor_types.get(n)) for n, t in plan.types.items()
+                      if written.tensor_types.get(n) != t})
+        clock.lap("llama.cpp quantizer")
+        return written
 
     plan = plan_for(units)
     clock.lap("allocation")
@@ -489,25 +536,25 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
             clock.lap("llama.cpp quantizer")
             _check_types(mismatch)
             tries: list[dict] = []
-            while cost is not None:  # the written file against the floor; a shortfall asks the model for more speed
-                got, want = floor_check(raw, src, decode_floor, threads, out.parent, im)
-                tries.append({"written_tps": got, "floor_tps": want, "predicted_tps": 1 / plan.predicted_decode_s})
+            # the written file against the floor; a file measurably slower asks the model for more speed. The
+            # floor's own recipe is not timed: its tensor types are the floor file's.
+            while cost is not None and plan.recipe is None:
+                check = floor_check(raw, src, decode_floor, threads, out.parent, im)
+                tries.append({**check.to_dict(), "predicted_tps": 1 / plan.predicted_decode_s})
                 clock.lap("floor check")
-                if got >= want or len(tries) == FLOOR_TRIES:
+                if check.met:
                     break
-                limit *= got / want
+                recipe = None if hold_gates else recipe_plan(units, sens, cost, decode_floor, budget_for(units))
+                if len(tries) == FLOOR_TRIES and recipe is None:
+                    raise floor_missed("file", check.written_tps, check.floor_tps, len(tries))
+                limit *= check.ratio
                 try:
-                    plan = plan_for(units)
+                    plan = plan_for(units) if len(tries) < FLOOR_TRIES else recipe
                 except QuantgateError as e:
                     if "decode floor out of reach" not in str(e):
                         raise
-                    raise floor_missed("file", got, want) from None
-                written = run_quantizer(src, raw, BASE, overrides(plan.types), im, threads=threads, shown=out)
-                _check_types({n: (t, written.tensor_types.get(n)) for n, t in plan.types.items()
-                              if written.tensor_types.get(n) != t})
-                clock.lap("llama.cpp quantizer")
-            if tries and tries[-1]["written_tps"] < tries[-1]["floor_tps"]:
-                raise floor_missed("file", tries[-1]["written_tps"], tries[-1]["floor_tps"], len(tries))
+                    raise floor_missed("file", check.written_tps, check.floor_tps) from None
+                written = write(plan)
             meta = {f"{META}.target": target, f"{META}.sensitivity": sens.kind, f"{META}.hold_gates": hold_gates,
                     f"{META}.imatrix": imatrix, f"{META}.types_allowed": ",".join(types) if types else "all",
                     f"{META}.calibration": (f"{calib_data}: {sens.windows} windows of {sens.ctx} tokens" if measured
@@ -516,8 +563,7 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
             if measured:
                 meta[f"{META}.predicted_kld"] = float(plan.predicted_kld)
             if cost is not None:
-                meta[f"{META}.decode_floor"] = (f"{decode_floor} ({tries[-1]['floor_tps']:.4g} tok/s here; the file "
-                                                f"measured {tries[-1]['written_tps']:.4g})")
+                meta[f"{META}.decode_floor"] = floor_words(decode_floor, plan, tries)
                 meta[f"{META}.predicted_decode_tps"] = float(1 / plan.predicted_decode_s)
             copy_with_metadata(raw, tmp, meta)
             clock.lap("metadata copy")
@@ -533,9 +579,19 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
     if cost is not None:
         summary.update(decode_floor=str(decode_floor), floor_tps=1 / cost.limit_s(decode_floor),
                        predicted_decode_tps=1 / plan.predicted_decode_s, decode_cost=cost.to_dict(),
-                       floor_checks=tries)
+                       floor_checks=tries, floor_recipe=plan.recipe)
     write_json(side, summary, kind="allocation")
     return summary
+
+
+def floor_words(floor: DecodeFloor, plan: Allocation, tries: list[dict]) -> str:
+    """What the file's metadata says about its floor: the floor's own recipe, or the last check's numbers."""
+    if plan.recipe is not None:
+        return (f"{floor} (met by {plan.recipe}'s own tensor types: no allocation predicted as fast was predicted to "
+                f"lose less" + (f"; {len(tries)} allocated files were measurably slower" if tries else "") + ")")
+    c = tries[-1]
+    return (f"{floor} ({c['floor_tps']:.4g} tok/s here; the file measured {c['written_tps']:.4g}, median per-round "
+            f"ratio {c['ratio_median']:.3f} over {c['rounds']} rounds)")
 
 
 def _check_types(mismatch: dict) -> None:

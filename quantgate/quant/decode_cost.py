@@ -13,8 +13,16 @@ allocator therefore needs a speed model, and only a measured one is worth anythi
 3. per unit element, the extra seconds a type costs over the base type: (t_type - t_base) / elements at the type.
    The predicted decode time of an assignment is t_base plus its units' extra seconds (linear in the elements;
    exact for the files it was measured on, only roughly right for a mixture);
-4. the written file is timed against the floor (floor_check); where it falls short, the allocation asks its model
-   for that much more speed and writes again (quant.allocate.FLOOR_TRIES files at most).
+4. the written file is timed against the floor (floor_check), in alternated rounds; it meets the floor unless it is
+   measurably slower (a sign test over the rounds: at most SIGN_K of them as fast as the floor). Where it falls
+   short, the allocation asks its model for the median per-round shortfall and writes again
+   (quant.allocate.FLOOR_TRIES files at most). A small model decodes a token in a third of a millisecond, and a
+   round's time there moves by 30% on a shared machine: a check on medians alone replanned a file measured 29% short
+   beside a floor file that itself measured 2863 tok/s and then 1987, and the allocation planned for that
+   shortfall carried 7.6x the KLD (benchmarks/results/allocator.md, the run after 748d41e);
+5. a floor named by a llama.cpp type at most 1x is met by that type's own recipe (its per-tensor types, read from
+   the reference file here), so an allocation is never written where that recipe is predicted to lose less: the
+   recipe is written instead (quant.allocate.floor_plan).
 
 A decode floor is given in tok/s (`40`), or as llama.cpp's own type (`Q4_K_M`: as fast as that file, measured in
 the same rounds), or a fraction of it (`0.95xQ4_K_M`); quant.targets parses it.
@@ -27,7 +35,7 @@ import json
 import os
 import platform
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +52,43 @@ from .llama_cpp import exact_overrides as overrides, run_quantizer
 from .targets import DecodeFloor
 
 SPEED = dict(prefill=16, decode=256, rounds=9, kv="f16")  # short rounds: the per-type files are small to decode
+# The sign test's bound: with 9 rounds a file no slower than the floor has every round at least as fast as it with
+# probability 1/2 each, so one round or none in 9 happens by chance 2% of the time (10/512); more rounds, more kept.
+SIGN_ALPHA = 0.05
+
+
+def sign_k(n: int, alpha: float = SIGN_ALPHA) -> int:
+    """The most rounds as fast as the floor that still make a file measurably slower: the largest k with
+    P(Binomial(n, 1/2) <= k) <= alpha (-1: none, too few rounds to tell)."""
+    from math import comb
+    total, k = 0, -1
+    for i in range(n + 1):
+        total += comb(n, i)
+        if total / 2 ** n > alpha:
+            return k
+        k = i
+    return k
+
+
+@dataclass
+class FloorCheck:
+    """A written file against its floor: medians of each (tok/s), the per-round ratios file/floor, and whether the
+    floor is met (the file not measurably slower: more than sign_k(rounds) rounds at least as fast)."""
+    written_tps: float
+    floor_tps: float
+    ratios: list[float]
+
+    @property
+    def ratio(self) -> float:
+        return float(np.median(self.ratios))
+
+    @property
+    def met(self) -> bool:
+        return sum(r >= 1.0 for r in self.ratios) > sign_k(len(self.ratios))
+
+    def to_dict(self) -> dict:
+        return {"written_tps": self.written_tps, "floor_tps": self.floor_tps, "ratio_median": self.ratio,
+                "ratio_range": [min(self.ratios), max(self.ratios)], "rounds": len(self.ratios), "met": self.met}
 
 
 @dataclass
@@ -57,6 +102,7 @@ class DecodeCost:
     threads: int | None
     measured: dict[str, float]
     kv: str = SPEED["kv"]  # the KV cache the timings ran with (an ONNX graph's: f32, as exported)
+    reference_types: dict[str, str] = field(default_factory=dict)  # unit -> the type the reference file gave it
 
     def predict(self, units, types: dict[str, str]) -> float:
         """Predicted decode seconds per token of the assignment `types` (unit name -> type)."""
@@ -70,7 +116,8 @@ class DecodeCost:
 
     def to_dict(self) -> dict:
         return {"base_s": self.base_s, "extra_s_per_element": self.extra, "reference_s": self.reference_s,
-                "threads": self.threads, "measured_s": self.measured, "protocol": {**SPEED, "kv": self.kv}}
+                "threads": self.threads, "measured_s": self.measured, "protocol": {**SPEED, "kv": self.kv},
+                "reference_types": self.reference_types}
 
 
 def measure_decode_cost(src: Path, units, base: str, types: tuple[str, ...], reference: str | None,
@@ -83,7 +130,8 @@ def measure_decode_cost(src: Path, units, base: str, types: tuple[str, ...], ref
     cached = cache_dir() / f"decode-{k}.json"
     if cached.is_file():
         d = json.loads(cached.read_text())
-        return DecodeCost(d["base_s"], d["extra_s_per_element"], d["reference_s"], d["threads"], d["measured_s"])
+        return DecodeCost(d["base_s"], d["extra_s_per_element"], d["reference_s"], d["threads"], d["measured_s"],
+                          reference_types=d.get("reference_types", {}))
     files: dict[str, tuple[Path, dict[str, str]]] = {}
     paths: list[Path] = []
     try:
@@ -97,8 +145,8 @@ def measure_decode_cost(src: Path, units, base: str, types: tuple[str, ...], ref
             files[label] = (p, {n: written.tensor_types.get(n) for n in assign})
         if reference is not None:
             p = _tmp(work, paths)
-            run_quantizer(src, p, reference, [], im, threads=threads)
-            files["reference"] = (p, {})
+            written = run_quantizer(src, p, reference, [], im, threads=threads)
+            files["reference"] = (p, {u.name: written.tensor_types.get(u.name) for u in units})
         seconds = decode_seconds({k: v[0] for k, v in files.items()}, threads)
     finally:
         for p in paths:
@@ -111,28 +159,39 @@ def measure_decode_cost(src: Path, units, base: str, types: tuple[str, ...], ref
         if n:
             extra[t] = (seconds[t] - seconds[base]) / n
     cost = DecodeCost(seconds[base], extra, {reference: seconds["reference"]} if reference else {}, threads,
-                      seconds)
+                      seconds, reference_types=files["reference"][1] if reference else {})
     write_json(cached, cost.to_dict())
     return cost
 
 
 def floor_check(written: Path, src: Path, floor: DecodeFloor, threads: int | None, work: Path,
-                im: dict | None = None) -> tuple[float, float]:
-    """(tok/s of the written file, the floor's tok/s), measured now in the same alternated rounds: a floor named by a
-    type has that type written again beside it by llama.cpp's quantizer (removed afterwards); a tok/s floor is its own
-    number. The allocation's speed model is additive per type and misses where per-call overhead is large beside the
-    weights (small models: up to 18% on a loaded machine, benchmarks/results/allocator.md), so the file is checked."""
+                im: dict | None = None) -> FloorCheck:
+    """The written file against the floor, timed now in alternated rounds: a floor named by a type has that type
+    written again beside it by llama.cpp's quantizer (removed afterwards); a tok/s floor is its own number. The
+    allocation's speed model is additive per type and misses where per-call overhead is large beside the weights
+    (small models: up to 18% on a loaded machine, benchmarks/results/allocator.md), so the file is checked."""
     if floor.reference is None:
-        return 1.0 / decode_seconds({"written": written}, threads)["written"], floor.tps
+        return check_against({"written": written}, floor, threads)
     paths: list[Path] = []
     try:
         ref = _tmp(work, paths)
         run_quantizer(src, ref, floor.reference, [], im, threads=threads)
-        seconds = decode_seconds({"written": written, "reference": ref}, threads)
+        return check_against({"written": written, "reference": ref}, floor, threads)
     finally:
         for q in paths:
             q.unlink(missing_ok=True)
-    return 1.0 / seconds["written"], floor.fraction / seconds["reference"]
+
+
+def check_against(files: dict[str, Path], floor: DecodeFloor, threads: int | None, kv: str = SPEED["kv"]) -> FloorCheck:
+    """FloorCheck of files["written"] against files["reference"] (timed in the same rounds, at floor.fraction) or
+    against floor.tps where the floor names no type."""
+    rounds = decode_rounds(files, threads, kv)
+    w = np.asarray(rounds["written"])
+    if floor.reference is None:
+        floor_s = np.full_like(w, 1.0 / floor.tps)
+    else:
+        floor_s = np.asarray(rounds["reference"]) / floor.fraction
+    return FloorCheck(float(1.0 / np.median(w)), float(1.0 / np.median(floor_s)), [float(x) for x in floor_s / w])
 
 
 def floor_missed(what: str, got: float, want: float, tries: int | None = None) -> QuantgateError:
@@ -154,6 +213,12 @@ def _tmp(work: Path, paths: list[Path]) -> Path:
 def decode_seconds(files: dict[str, Path], threads: int | None, kv: str = SPEED["kv"]) -> dict[str, float]:
     """Median decode seconds per token of each file (or ONNX folder: `kv` "f32", its cache as exported), rounds
     alternated between all of them."""
+    return {k: float(np.median(r)) for k, r in decode_rounds(files, threads, kv).items()}
+
+
+def decode_rounds(files: dict[str, Path], threads: int | None, kv: str = SPEED["kv"]) -> dict[str, list[float]]:
+    """Each round's decode seconds per token of each file, rounds alternated between all of them (round i of every
+    file ran back to back, so their ratio is paired)."""
     ids = list(np.random.default_rng(0).integers(3, 200, size=SPEED["prefill"] + SPEED["decode"]))
     n = SPEED["prefill"] + SPEED["decode"]
     opened = {k: open_runner(str(p), fixed_ctx(n, p), kv_type=kv, threads=threads, logits_all=False)
@@ -165,5 +230,5 @@ def decode_seconds(files: dict[str, Path], threads: int | None, kv: str = SPEED[
     finally:
         for o in opened.values():
             o.runner.__exit__(None, None, None)
-    return {k: r["decode_s"] / SPEED["decode"] for k, r in zip(opened, res)}
+    return {k: [d / SPEED["decode"] for d in r["decode_rounds_s"]] for k, r in zip(opened, res)}
 
