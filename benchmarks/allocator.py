@@ -113,7 +113,7 @@ def floored_arm(f32: Path, p: Path, budget: float, best: str, std: dict, model: 
     ev = evaluate(p, model, cache)
     out = {"floor": best, "seconds": round(time.perf_counter() - t0, 1), "bits_per_weight": info["bits_per_weight"],
            "predicted_decode_tps": info["predicted_decode_tps"], "floor_tps": info["floor_tps"],
-           "floor_checks": info.get("floor_checks"),
+           "floor_checks": info.get("floor_checks"), "floor_recipe": info.get("floor_recipe"),
            "decode_cost_measured_tps": {k: 1 / v for k, v in info["decode_cost"]["measured_s"].items()},
            "types": info["types"], **{k: v for k, v in ev.items() if k != "per_window"},
            "vs_best_standard": paired_ratio(ev["per_window"], std["per_window"]),
@@ -319,10 +319,15 @@ def floor_run_words(entry: dict) -> str:
 
 
 def checked_cell(f: dict) -> str:
-    checks = f.get("floor_checks")
+    """The floor check's cell: the last timed file's tok/s / the floor's (files timed; met or not by the sign test),
+    or the floor type's own recipe where that was written (not timed: it is the floor's file)."""
+    checks = f.get("floor_checks") or []
+    if f.get("floor_recipe"):
+        return f"{f['floor_recipe']}'s recipe" + (f" after {len(checks)} short" if checks else "")
     if not checks:
         return "none"
-    return f"{checks[-1]['written_tps']:.0f} / {checks[-1]['floor_tps']:.0f} ({len(checks)})"
+    met = "" if "met" not in checks[-1] else (", met" if checks[-1]["met"] else ", short")
+    return f"{checks[-1]['written_tps']:.0f} / {checks[-1]['floor_tps']:.0f} ({len(checks)}{met})"
 
 
 def protocol_words(runtime: str, kv: str) -> str:
@@ -375,7 +380,9 @@ def write_tables(result: dict) -> None:
                       "decode timings, against the same standard file. Predicted tok/s is the allocator's model; "
                       "the measured ratio is the speed pair's (median per-round ratio [min, max]). Checked: the "
                       "written file's tok/s against the floor's, timed by quantize in alternated rounds (files "
-                      "written; none: a run before the check, prediction only)." + floor_run_words(entry), "",
+                      "written; met unless measurably slower by a sign test over the rounds, from 09758ec on; none: a "
+                      "run before the check, prediction only; TYPE's recipe: the floor type's own tensor types, written "
+                      "where predicted to lose less than any allocation as fast, or where none was)." + floor_run_words(entry), "",
                       "| twin | imatrix | budget | floor | bpw | KLD [95%] | alloc/standard KLD | decode alloc/std | "
                       "prefill alloc/std | predicted / floor tok/s | checked tok/s (files) | free arm's KLD ratio |",
                       "|---|---|---|---|---|---|---|---|---|---|---|---|"]

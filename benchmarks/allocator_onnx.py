@@ -125,7 +125,7 @@ def floored_arm(fp32: Path, d: Path, budget: float, best: str, std: dict, model:
     ev = evaluate(d, model, cache)
     out = {"floor": best, "seconds": round(time.perf_counter() - t0, 1), "bits_per_weight": s["bits_per_weight"],
            "predicted_decode_tps": s["predicted_decode_tps"], "floor_tps": s["floor_tps"],
-           "floor_checks": s.get("floor_checks"), "types": s["types"],
+           "floor_checks": s.get("floor_checks"), "floor_recipe": s.get("floor_recipe"), "types": s["types"],
            **{k: v for k, v in ev.items() if k != "per_window"},
            "vs_best_standard": paired_ratio(ev["per_window"], std["per_window"]),
            "speed_vs_best_standard": speed_pair(d, std["path"], kv="f32")}

@@ -224,21 +224,35 @@ def test_an_onnx_decode_floor_is_met_as_predicted_and_one_out_of_reach_is_one_li
     assert not (tmp_path / "far").exists()
 
 
-@pytest.mark.parametrize("script, needle", [
-    ([(90.0, 100.0), (120.0, 100.0)], None),
-    ([(99.0, 100.0)] * 3, "not met by the written graph: 99 tok/s measured against the floor's 100 after 3 graphs"),
-    ([(1.0, 100.0)], "not met by the written graph: 1 tok/s measured against the floor's 100, and no allocation"),
+@pytest.mark.parametrize("floor, script, needle", [
+    ("0.5xint4/32", [(90.0, 100.0), (120.0, 100.0)], None),
+    ("0.5xint4/32", [(99.0, 100.0)] * 3, "recipe"),
+    ("1", [(0.99, 1.0)] * 3, "not met by the written graph: 0.99 tok/s measured against the floor's 1 after 3 graphs"),
+    ("1", [(1e-9, 1.0)], "not met by the written graph: 1e-09 tok/s measured against the floor's 1, and no allocation"),
 ])
-def test_the_written_graph_is_timed_against_the_floor(export, tmp_path, monkeypatch, script, needle):
-    """As for GGUF: a graph short of the floor (scripted timings) makes the allocation ask its speed model for that
-    much more and write again, the folder holding the last graph; still short after FLOOR_TRIES graphs, or short by
-    more than any allocation is predicted to make up, is one line with nothing written."""
+def test_the_written_graph_is_timed_against_the_floor(export, tmp_path, monkeypatch, floor, script, needle):
+    """As for GGUF: a graph measurably short of the floor (scripted timings, every round at the scripted ratio)
+    makes the allocation ask its speed model for that much more and write again, the folder holding the last graph;
+    still short after FLOOR_TRIES graphs, the floor's own uniform recipe where the floor names one (it decodes as the
+    floor), else one line with nothing written, as for a shortfall no allocation is predicted to make up."""
     from quantgate.errors import QuantgateError
+    from quantgate.quant.decode_cost import FloorCheck
     from quantgate.quant.targets import parse_floor
     calls = iter(script)
-    monkeypatch.setattr(ao, "floor_check", lambda *a, **k: next(calls))
+
+    def check(*_a, **_k):
+        got, want = next(calls)
+        return FloorCheck(got, want, [got / want] * 9)
+    monkeypatch.setattr(ao, "floor_check", check)
     out = tmp_path / "f"
-    floor = parse_floor("0.5xint4/32", references=ao.OPTIONS)
+    floor = parse_floor(floor, references=ao.OPTIONS)
+    if needle == "recipe":
+        s = ao.allocate_onnx(export, out, 6.0, sensitivity="proxy", threads=1, decode_floor=floor)
+        assert s["floor_recipe"] == "int4/32" and len(s["floor_checks"]) == ao.FLOOR_TRIES
+        assert s["types"] == ao.uniform_types(ao.units_of(export / "model.onnx"), "int4/32")
+        assert "met by int4/32's own options" in json.loads((out / "quantgate.json").read_text())["quantization"][
+            "decode_floor"]
+        return
     if needle:
         with pytest.raises(QuantgateError, match=needle):
             ao.allocate_onnx(export, out, 6.0, sensitivity="proxy", threads=1, decode_floor=floor)

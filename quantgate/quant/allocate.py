@@ -584,14 +584,16 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
     return summary
 
 
-def floor_words(floor: DecodeFloor, plan: Allocation, tries: list[dict]) -> str:
-    """What the file's metadata says about its floor: the floor's own recipe, or the last check's numbers."""
+def floor_words(floor: DecodeFloor, plan: Allocation, tries: list[dict], what: str = "file") -> str:
+    """What the file's (or graph's) metadata says about its floor: the floor's own recipe, or the last check's
+    numbers."""
     if plan.recipe is not None:
-        return (f"{floor} (met by {plan.recipe}'s own tensor types: no allocation predicted as fast was predicted to "
-                f"lose less" + (f"; {len(tries)} allocated files were measurably slower" if tries else "") + ")")
+        return (f"{floor} (met by {plan.recipe}'s own {'tensor types' if what == 'file' else 'options'}: no "
+                f"allocation predicted as fast was predicted to lose less"
+                + (f"; {len(tries)} allocated {what}s were measurably slower" if tries else "") + ")")
     c = tries[-1]
-    return (f"{floor} ({c['floor_tps']:.4g} tok/s here; the file measured {c['written_tps']:.4g}, median per-round "
-            f"ratio {c['ratio_median']:.3f} over {c['rounds']} rounds)")
+    return (f"{floor} ({c['floor_tps']:.4g} tok/s here; the {what} measured {c['written_tps']:.4g}, median "
+            f"per-round ratio {c['ratio_median']:.3f} over {c['rounds']} rounds)")
 
 
 def _check_types(mismatch: dict) -> None:

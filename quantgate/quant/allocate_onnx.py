@@ -17,8 +17,10 @@ The GGUF allocator's method (quant.allocate) on ONNX Runtime's weight-only forma
    the weight-error proxy instead (proxy_sensitivity: ORT's block quantizer on sampled columns, no calibration).
 3. Allocation: quant.allocate's multiple-choice knapsack on the predicted KLD (base + summed deltas); with a
    decode floor, the same Lagrangian price on decode time as the GGUF floor, from one graph per option timed here
-   (measure_decode_cost); the written graph is then timed against the floor (floor_check) and, where it falls short,
-   planned for that much more speed and written again (FLOOR_TRIES graphs at most).
+   (measure_decode_cost); the written graph is then timed against the floor (floor_check) and, where it is measurably
+   slower (quant.decode_cost's sign test), planned for that much more speed and written again (FLOOR_TRIES graphs at
+   most). A floor of at most 1x a uniform option takes that option's own graph where it is predicted to lose less, or
+   where nothing else is fast enough (quant.allocate.floor_plan).
 4. The graph is written by ort_weight_only with each node's (bits, block size); quantgate.json's quantization
    names the target and every node's option, and `allocation.json` in the folder holds the sensitivity.
 
@@ -47,8 +49,8 @@ from ..progress import track
 from ..reference import cache_dir
 from ..runners.open import fixed_ctx, open_runner
 from ..tokenizer import load_tokenizer
-from .allocate import Allocation, Sensitivity, allocate, held_gates
-from .decode_cost import SPEED, DecodeCost, decode_seconds, floor_missed
+from .allocate import Allocation, Sensitivity, allocate, floor_plan, floor_words, held_gates, recipe_plan
+from .decode_cost import SPEED, DecodeCost, FloorCheck, check_against, decode_seconds, floor_missed
 from .ort import GATE_MATMULS, KEPT_FLOAT, side_files
 from .ort_weight_only import Spec, block_quantizer, quantize_weight_only, tied_head, weight_array
 from .targets import DecodeFloor
@@ -267,19 +269,22 @@ def measure_decode_cost(path: Path, model_dir: Path, graph: Graph, threads: int 
 
 
 def floor_check(folder: Path, path: Path, model_dir: Path, graph: Graph, floor: DecodeFloor, threads: int | None,
-                meta: dict) -> tuple[float, float]:
-    """(tok/s of the written graph in `folder`, the floor's tok/s), timed now in the same alternated rounds: a floor
-    named by a uniform option has that graph written again beside it (removed afterwards). The ONNX twin of
-    quant.decode_cost.floor_check: the per-option speed model is only roughly right for a mixture."""
+                meta: dict) -> FloorCheck:
+    """The written graph in `folder` against the floor, timed now in alternated rounds (met unless measurably
+    slower): a floor named by a uniform option has that graph written again beside it (removed afterwards). The ONNX
+    twin of quant.decode_cost.floor_check: the per-option speed model is only roughly right for a mixture."""
     if floor.reference is None:
-        return 1.0 / decode_seconds({"written": folder}, threads, kv="f32")["written"], floor.tps
+        return check_against({"written": folder}, floor, threads, kv="f32")
     with tempfile.TemporaryDirectory(prefix="quantgate-floor-onnx-") as work:
         ref = Path(work)
-        o = floor.reference
-        write_graph(path, model_dir, ref, graph, {u.name: o if o in u.candidates() else BASE for u in graph.units},
+        write_graph(path, model_dir, ref, graph, uniform_types(graph, floor.reference),
                     {**meta, "quantization": {"scheme": "probe"}})
-        seconds = decode_seconds({"written": folder, "reference": ref}, threads, kv="f32")
-    return 1.0 / seconds["written"], floor.fraction / seconds["reference"]
+        return check_against({"written": folder, "reference": ref}, floor, threads, kv="f32")
+
+
+def uniform_types(graph: Graph, option: str) -> dict[str, str]:
+    """A uniform recipe's option per node: `option` where the node takes it, the base elsewhere."""
+    return {u.name: option if option in u.candidates() else BASE for u in graph.units}
 
 
 FLOOR_TRIES = 3  # graphs written and timed against a decode floor before a shortfall is an error
@@ -353,7 +358,12 @@ def allocate_onnx(src: str | Path, out: str | Path, target_bpw: float | None = N
     if decode_floor is not None:
         cost = measure_decode_cost(path, model_dir, graph, threads)
         limit = cost.limit_s(decode_floor)
+        if decode_floor.reference is not None:  # the floor's own recipe (quant.allocate.recipe_plan)
+            cost.reference_types = uniform_types(graph, decode_floor.reference)
+
     def plan_for() -> Allocation:  # under the current limit (a floor check may tighten it)
+        if cost is not None and not hold_gates:  # the held arm holds the gates, which the floor's recipe does not
+            return floor_plan(graph.units, sens, budget, cost, limit, decode_floor)
         free = allocate(graph.units, sens, budget, None, cost, limit)
         return allocate(graph.units, sens, budget, held_gates(graph.units, free), cost, limit) if hold_gates else free
 
@@ -366,29 +376,31 @@ def allocate_onnx(src: str | Path, out: str | Path, target_bpw: float | None = N
                 "calibration": (f"{calib_data}: {sens.windows} windows of {sens.ctx} tokens" if measured
                                 else f"weights: {sens.windows} sampled columns per node"), "source": str(path),
                 "options": plan.types,
-                **({"decode_floor": f"{decode_floor} ({checks[-1]['floor_tps']:.4g} tok/s here; the graph measured "
-                                    f"{checks[-1]['written_tps']:.4g})",
-                    "predicted_decode_tps": 1 / plan.predicted_decode_s} if checks else {})}
+                **({"decode_floor": floor_words(decode_floor, plan, checks, "graph"),
+                    "predicted_decode_tps": 1 / plan.predicted_decode_s} if checks or plan.recipe else {})}
 
     tries: list[dict] = []
     with atomic_dir(out, "onnx") as tmp:
         write_graph(path, model_dir, tmp, graph, plan.types, {**meta, "quantization": quantization([])})
-        while cost is not None:  # the written graph against the floor; a shortfall asks the model for more speed
-            got, want = floor_check(tmp, path, model_dir, graph, decode_floor, threads, meta)
-            tries.append({"written_tps": got, "floor_tps": want, "predicted_tps": 1 / plan.predicted_decode_s})
-            if got >= want or len(tries) == FLOOR_TRIES:
+        # the written graph against the floor; one measurably slower asks the model for more speed (the floor's own
+        # recipe is not timed: it is the floor's graph)
+        while cost is not None and plan.recipe is None:
+            check = floor_check(tmp, path, model_dir, graph, decode_floor, threads, meta)
+            tries.append({**check.to_dict(), "predicted_tps": 1 / plan.predicted_decode_s})
+            if check.met:
                 break
-            limit *= got / want
+            recipe = None if hold_gates else recipe_plan(graph.units, sens, cost, decode_floor, budget)
+            if len(tries) == FLOOR_TRIES and recipe is None:
+                raise floor_missed("graph", check.written_tps, check.floor_tps, len(tries))
+            limit *= check.ratio
             try:
-                plan = plan_for()
+                plan = plan_for() if len(tries) < FLOOR_TRIES else recipe
             except QuantgateError as e:
                 if "decode floor out of reach" not in str(e):
                     raise
-                raise floor_missed("graph", got, want) from None
+                raise floor_missed("graph", check.written_tps, check.floor_tps) from None
             write_graph(path, model_dir, tmp, graph, plan.types, {**meta, "quantization": quantization([])})
-        if tries and tries[-1]["written_tps"] < tries[-1]["floor_tps"]:
-            raise floor_missed("graph", tries[-1]["written_tps"], tries[-1]["floor_tps"], len(tries))
-        if tries:
+        if cost is not None:
             side_files(model_dir, tmp, {**meta, "quantization": quantization(tries)})
         check_written(tmp, out)
         size = onnx_bytes(tmp)
@@ -405,6 +417,6 @@ def allocate_onnx(src: str | Path, out: str | Path, target_bpw: float | None = N
         if cost is not None:
             summary.update(decode_floor=str(decode_floor), floor_tps=1 / cost.limit_s(decode_floor),
                            predicted_decode_tps=1 / plan.predicted_decode_s, decode_cost=cost.to_dict(),
-                           floor_checks=tries)
+                           floor_checks=tries, floor_recipe=plan.recipe)
         write_json(tmp / "allocation.json", summary, kind="allocation")
     return summary
