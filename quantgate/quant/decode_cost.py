@@ -19,7 +19,7 @@ allocator therefore needs a speed model, and only a measured one is worth anythi
    (quant.allocate.FLOOR_TRIES files at most). A small model decodes a token in a third of a millisecond, and a
    round's time there moves by 30% on a shared machine: a check on medians alone replanned a file measured 29% short
    beside a floor file that itself measured 2863 tok/s and then 1987, and the allocation planned for that
-   shortfall carried 7.6x the KLD (benchmarks/results/allocator.md, the run after 748d41e);
+   shortfall carried 7.6x the KLD (benchmarks/results/logs/allocator_attention_imatrix_floors_e66a62f.json);
 5. a floor named by a llama.cpp type at most 1x is met by that type's own recipe (its per-tensor types, read from
    the reference file here), so an allocation is never written where that recipe is predicted to lose less: the
    recipe is written instead (quant.allocate.floor_plan).
