@@ -224,7 +224,9 @@ def floor_row(f32: Path, p: Path, budget: float, std: dict, model: Path, cache: 
 def merge_floors(old: dict, new: dict, variants: tuple) -> dict:
     """`--floor-only`: this run's floored arms put into the arch's earlier rows, once the run shows it trained the
     same twins (each standard file the same size and KLD: training, llama.cpp's quantizer and the importance matrix
-    are deterministic) and chose the same floor type; each variant names the run that measured its floors."""
+    are deterministic); each variant names the run that measured its floors. A floor type other than the row's best
+    standard (this run's free allocation, by newer code, ended on the other side of a standard file's size) is
+    kept and said."""
     for tw_old, tw_new in zip(old["twins"], new["twins"]):
         for v in variants:
             for t, cell in tw_old[v]["standard"].items():
@@ -237,10 +239,9 @@ def merge_floors(old: dict, new: dict, variants: tuple) -> dict:
                 n = rows.get(r["budget_bpw"])
                 if "floored" not in r or not n or "floored" not in n:
                     continue
-                if n["best_standard"] != r["best_standard"]:
-                    raise RuntimeError(f"{tw_old['twin']} {v} {r['budget_bpw']}: floor {n['best_standard']} now, "
-                                       f"{r['best_standard']} in the entry")
-                r["floored"] = n["floored"]
+                r["floored"] = n["floored"]  # its own floor type: the best standard at <= this run's free file
+                if n["best_standard"] != r["best_standard"]:  # the free allocation's size moved across a type's
+                    r["floored"]["free_arm_best_standard_then"] = r["best_standard"]
     runs = old.get("floor_runs", {})
     for v in variants:
         runs[v] = {k: new[k] for k in ("command", "commit", "seconds", "machine")}

@@ -14,7 +14,7 @@ allocator therefore needs a speed model, and only a measured one is worth anythi
    The predicted decode time of an assignment is t_base plus its units' extra seconds (linear in the elements;
    exact for the files it was measured on, only roughly right for a mixture);
 4. the written file is timed against the floor (floor_check), in alternated rounds; it meets the floor unless it is
-   measurably slower (a sign test over the rounds: at most SIGN_K of them as fast as the floor). Where it falls
+   measurably slower (a sign test over the rounds: at most sign_k(rounds) of them as fast as the floor). Where it falls
    short, the allocation asks its model for the median per-round shortfall and writes again
    (quant.allocate.FLOOR_TRIES files at most). A small model decodes a token in a third of a millisecond, and a
    round's time there moves by 30% on a shared machine: a check on medians alone replanned a file measured 29% short
