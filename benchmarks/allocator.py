@@ -389,7 +389,8 @@ def write_tables(result: dict) -> None:
                       "|---|---|---|---|---|---|---|---|---|---|---|---|"]
             for tw, var, r in floored:
                 f = r["floored"]
-                head = f"| {tw['twin']} | {'yes' if var == 'imatrix' else 'no'} | {r['budget_bpw']} | {f['floor']} |"
+                then = f" (free arm's: {f['free_arm_best_standard_then']})" if "free_arm_best_standard_then" in f else ""
+                head = f"| {tw['twin']} | {'yes' if var == 'imatrix' else 'no'} | {r['budget_bpw']} | {f['floor']}{then} |"
                 if "unreachable" in f:
                     lines.append(f"{head} unreachable: {f['unreachable']} |" + " |" * 7)
                     continue
