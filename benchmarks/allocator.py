@@ -314,8 +314,11 @@ def floor_run_words(entry: dict) -> str:
     runs = entry.get("floor_runs")
     if not runs:
         return ""
-    return (" Floor rows of " + "; ".join(f"{v}: `{r['command']}` at {r['commit']} ({r['seconds'] / 60:.0f} min)"
-                                          for v, r in runs.items())
+    groups: dict = {}  # variants measured by one run are named together
+    for v, r in runs.items():
+        groups.setdefault((r["command"], r["commit"], r["seconds"]), []).append(v)
+    return (" Floor rows of " + "; ".join(f"{' and '.join(vs)}: `{c}` at {h} ({sec / 60:.0f} min)"
+                                          for (c, h, sec), vs in groups.items())
             + " (the twins trained again by the same recipe; every standard file's size and KLD equal the entry's).")
 
 
