@@ -237,7 +237,7 @@ def part_rows(run: Path, cache: Path) -> dict:
     return out
 
 
-def part_scale(shape: str, work: Path) -> dict:
+def part_scale(shape: str, work: Path, arms: tuple[str, ...] = ()) -> dict:
     import scale
     cfg = scale.SHAPES[shape]()
     d = scale.claim(work / shape)
@@ -255,6 +255,8 @@ def part_scale(shape: str, work: Path) -> dict:
         res["q4_k_m_bytes"] = size
         plain.unlink()
         for key, extra in ARMS.items():
+            if arms and key not in arms:
+                continue
             alloc = d / "auto.gguf"
             r = scale.measured(scale.qg("quantize", str(f16), "--target-size", str(size), "--sensitivity", "proxy",
                                         *extra, "--out", str(alloc), "--json"))
@@ -423,6 +425,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300, help="rank without --run: train the medium pair this long")
     ap.add_argument("--shape", default="qwen35-9b")
     ap.add_argument("--work", default=None, help="scale: folder for the checkpoint and files (~45 GB at 9B)")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"scale: the allocations to time, of {', '.join(ARMS)} "
+                    "(comma-separated; default: every one)")
     ap.add_argument("--tables-only", action="store_true")
     args = ap.parse_args()
     path = RESULTS / "allocator_proxy.json"
@@ -451,12 +455,16 @@ def main() -> None:
                           "commit": commit, "machine": machine, "seconds": round(time.perf_counter() - t0, 1), **r}
     elif args.part == "scale":
         work = Path(args.work or tempfile.gettempdir()) / "qg-alloc-scale"
-        r = part_scale(args.shape, work)
+        arms = tuple(a.strip() for a in args.arms.split(","))
+        if not set(arms) <= set(ARMS) or "all" not in arms:
+            raise SystemExit(f"--arms: 'all' and any of {', '.join(ARMS)}")
+        r = part_scale(args.shape, work, arms)
         if work.is_dir() and not any(work.iterdir()):
             work.rmdir()
         if "scale" in result:  # the run it replaces stays, with its commit (these ratios vary between runs)
             result.setdefault("scale_earlier_runs", []).insert(0, result["scale"])
-        result["scale"] = {"command": f"python benchmarks/allocator_proxy.py --part scale --shape {args.shape}",
+        result["scale"] = {"command": f"python benchmarks/allocator_proxy.py --part scale --shape {args.shape}"
+                                      + ("" if set(arms) == set(ARMS) else f" --arms {args.arms}"),
                            "commit": commit, "machine": machine, "seconds": round(time.perf_counter() - t0, 1),
                            "result": r}
     if args.part:
