@@ -6,8 +6,8 @@ goes in afterwards: gguf-py's writer writes the header (every key of the file, t
 table, and the data section is copied unchanged. The tensor offsets are relative to the data section and depend
 only on the tensors' sizes and the alignment, so they are the same in both files; this is checked, not assumed.
 gguf-py's `gguf_new_metadata.py` does the same through memory maps; this copies in chunks so no mapped page of a
-multi-GB file stays resident, by `os.copy_file_range` where the system has it (the kernel moves the bytes: a
-5.8 GB data section in about a quarter of the time read/write chunks take here) and in chunks where it does not.
+multi-GB file stays resident, by `os.copy_file_range` where the system has it (the kernel moves the bytes, no
+copy through this process) and in chunks where it does not.
 """
 from __future__ import annotations
 
