@@ -16,8 +16,8 @@ allocator therefore needs a speed model, and only a measured one is worth anythi
 4. the written file is timed against the floor (floor_check), in alternated rounds; it meets the floor unless it is
    measurably slower (a sign test over the rounds: at most sign_k(rounds) of them as fast as the floor). Where it falls
    short, the allocation asks its model for the median per-round shortfall and writes again
-   (quant.allocate.FLOOR_TRIES files at most). A small model decodes a token in a third of a millisecond, and a
-   round's time there moves by 30% on a shared machine: a check on medians alone replanned a file measured 29% short
+   (quant.allocate.FLOOR_TRIES files at most). A small model decodes a token in a third of a millisecond, and its
+   speed there moves by 30% between two timings on a shared machine: a check on medians alone replanned a file measured 29% short
    beside a floor file that itself measured 2863 tok/s and then 1987, and the allocation planned for that
    shortfall carried 7.6x the KLD (benchmarks/results/logs/allocator_attention_imatrix_floors_e66a62f.json);
 5. a floor named by a llama.cpp type at most 1x is met by that type's own recipe (its per-tensor types, read from
