@@ -409,6 +409,12 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
                    "multiple of 256; Q8_0 is always allowed). E.g. leave out IQ4_XS: llama.cpp quantizes it about 3x "
                    "slower than Q4_K (most of a 9B allocation's time when it is chosen) and some runtimes lack fast "
                    "kernels for it")
+@click.option("--quantize-time", "quantize_factor", type=float, default=None, metavar="FACTOR",
+              help="with --target-bpw/--target-size and the proxy sensitivity on a GGUF: llama.cpp's quantizer may take "
+                   "at most FACTOR times its time with every tensor at Q4_K (a plain Q4_K_M quantize's bulk), or a "
+                   "minute more, predicted from each type's quantizer timed on the proxy's sampled rows (default 1.5; "
+                   "0: no limit). IQ4_XS quantizes about 3x slower than Q4_K: unlimited, a 9B allocation took 2.1x a "
+                   "plain quantize. The allocation's JSON says what the limit cost in predicted error")
 @click.option("--out", default=None, type=click.Path(), help="output model directory (torch, ONNX) or .gguf file")
 @click.option("--calib-data", default="embedded", show_default=True,
               help="calibration text (the embedded corpus's valid split; never its test split)")
@@ -421,8 +427,8 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
               help="torch: run the model one decoder block at a time and write the output as it goes (what a model "
                    "too large for memory gets anyway); the same file, one block's weights resident")
 def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, imatrix, gate_bits, target_bpw,
-             target_size, hold_gates, sensitivity, decode_floor, alloc_types, out, calib_data, calib_windows, ctx, seed,
-             threads, layerwise):
+             target_size, hold_gates, sensitivity, decode_floor, alloc_types, quantize_factor, out, calib_data,
+             calib_windows, ctx, seed, threads, layerwise):
     """Quantize MODEL: a model directory under a named PyTorch scheme (writes a loadable checkpoint that
     records the scheme), a .gguf with llama.cpp's own quantizer (--type), or an ONNX export with
     onnxruntime.quantization (--scheme int8-dynamic|int8-static|int8-weight|int4). Every scheme is a row of
@@ -441,7 +447,8 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
     if backend == "auto":
         backend = {"gguf": "llama.cpp", "onnx": "onnxruntime", "hf": "torch"}[artifact_kind(model)]
     for flag, given in (("--hold-gates", hold_gates), ("--decode-floor", decode_floor),
-                        ("--sensitivity", sensitivity != "auto"), ("--types", alloc_types)):
+                        ("--sensitivity", sensitivity != "auto"), ("--types", alloc_types),
+                        ("--quantize-time", quantize_factor is not None)):
         if given and target_bpw is None and target_size is None:
             raise QuantgateError(f"{flag} applies to an allocation: add --target-bpw or --target-size")
     if target_bpw is not None or target_size is not None:
@@ -452,7 +459,8 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
         from quantgate.quant.targets import parse_floor, parse_size
         if backend == "torch":
             for flag, given in (("--target-size", target_size), ("--imatrix", imatrix), ("--types", alloc_types),
-                                ("--decode-floor", decode_floor), ("--layerwise", layerwise)):
+                                ("--decode-floor", decode_floor), ("--layerwise", layerwise),
+                                ("--quantize-time", quantize_factor is not None)):
                 if given:
                     raise QuantgateError(f"{flag} does not apply to a torch allocation (--target-bpw on a model "
                                          f"directory: its checkpoint stores rounded weights in float, with no integer "
@@ -463,7 +471,8 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
             _emit(summary if as_json else {k: v for k, v in summary.items() if k != "sensitivity"}, as_json)
             return
         if backend == "onnxruntime":
-            for flag, given in (("--imatrix", imatrix), ("--types", alloc_types)):
+            for flag, given in (("--imatrix", imatrix), ("--types", alloc_types),
+                                ("--quantize-time", quantize_factor is not None)):
                 if given:
                     raise QuantgateError(f"{flag} applies to a GGUF allocation (an ONNX allocation chooses MatMulNBits "
                                          f"bits and block sizes)")
@@ -478,7 +487,7 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
         floor = parse_floor(decode_floor) if decode_floor else None
         summary = allocate_gguf(model, out, target_bpw, parse_size(target_size) if target_size else None, calib_data,
                                 calib_windows, ctx, seed, threads, hold_gates, imatrix == "auto", floor, sensitivity,
-                                parse_types(alloc_types))
+                                parse_types(alloc_types), quantize_factor)
         _emit(summary if as_json else {k: v for k, v in summary.items() if k not in ("sensitivity", "decode_cost")},
               as_json)
         return

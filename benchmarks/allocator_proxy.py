@@ -272,6 +272,7 @@ def part_scale(shape: str, work: Path, arms: tuple[str, ...] = ()) -> dict:
                     counts[t] = counts.get(t, 0) + 1
                 arm["allocated_type_counts"] = counts
                 arm["allocation_phase_seconds"] = s.get("seconds")
+                arm["quantize_time"] = s.get("quantize_time")  # the limit on llama.cpp's quantizer, and its price
                 alloc.unlink()
                 side.unlink()
             q, a = res["quantize Q4_K_M"], arm["quantize --target-size (proxy)"]
@@ -283,8 +284,9 @@ def part_scale(shape: str, work: Path, arms: tuple[str, ...] = ()) -> dict:
     return res
 
 
-# The allocations timed at 9B: every candidate type, and without IQ4_XS (whose quantizer is the slowest: see
-# quantize_throughput), the choice `--types` gives a user who cannot wait for it.
+# The allocations timed at 9B: every candidate type (under the default quantize-time limit, which keeps llama.cpp's
+# quantizer within 1.5x its Q4_K time), and without IQ4_XS (whose quantizer is the slowest: see quantize_throughput),
+# the choice `--types` gives a user who cannot wait for it.
 ARMS = {"all": [], "without IQ4_XS": ["--types", "Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,Q8_0"]}
 
 
@@ -399,6 +401,16 @@ def write_tables(result: dict) -> None:
                   f"types: {s.get('allocated_type_counts')}."
                   + (f" Allocation phases (s): {s['allocation_phase_seconds']}." if s.get("allocation_phase_seconds")
                      else " Its phases were not timed in this run."), ""]
+        if s.get("quantize_time"):
+            qt = s["quantize_time"]
+            lines += [f"Quantize-time limit (default `--quantize-time {qt['factor']:g}`): llama.cpp's quantizer predicted at "
+                      f"{qt['predicted_s']:.0f} s against a limit of {qt['limit_s']:.0f} s (every tensor at Q4_K: "
+                      f"{qt['reference_s']:.0f} s predicted, on {qt['threads']} threads); the limit "
+                      + ("bound: without it the allocation was predicted at "
+                         f"{qt['unlimited_predicted_s']:.0f} s with predicted proxy error "
+                         f"{qt['unlimited_predicted_proxy_error']:.4g} against this file's "
+                         f"{qt['predicted_proxy_error']:.4g} ({qt['predicted_proxy_error'] / qt['unlimited_predicted_proxy_error']:.3f}x; "
+                         "the proxy's unit, not KLD)." if qt.get("binds") else "did not bind."), ""]
         for name, arm in s.get("arms", {}).items():
             b = arm["quantize --target-size (proxy)"]
             lines += [f"The same allocation {name} (`{' '.join(arm['flags'])}`): rc {b['rc']}, {b['seconds']} s, "

@@ -191,7 +191,8 @@ PEAK_PREFIX = "quantgate-peak-bytes"
 def proxy_main(request_file: str, out_file: str) -> int:
     """Each unit's importance-weighted squared weight error at each type, from sampled rows quantized and dequantized
     by ggml's own row functions (ggml_quantize_chunk, dequantize_row_*: the code llama.cpp's quantizer runs, so
-    the error is the file's), scaled to the whole tensor; and the sampled rows' squared norm, likewise scaled."""
+    the error is the file's), scaled to the whole tensor; the sampled rows' squared norm, likewise scaled; and the CPU
+    seconds each type's quantizer took on the sampled rows (what the allocator's quantize-time limit predicts from)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from gguf import GGUFReader
     from llama_cpp._ggml import libggml as lib
@@ -217,17 +218,20 @@ def proxy_main(request_file: str, out_file: str) -> int:
         imp = np.ones(row, dtype=np.float32)
         if name in im and im[name].size % row == 0:
             imp = im[name].reshape(-1, row).mean(0).astype(np.float32)  # a MoE's experts: their mean
-        errs = {}
+        errs, secs = {}, {}
         for tname, (gtype, block, size) in types.items():
             dst = np.zeros(x.size // block * size, dtype=np.uint8)
+            t0 = time.thread_time()  # this thread's CPU seconds: the quantizer's cost, whatever else runs beside it
             lib.ggml_quantize_chunk(gtype, x.ctypes.data, dst.ctypes.data, 0, len(x), row,
                                     imp.ctypes.data if name in im else None)
+            secs[tname] = time.thread_time() - t0
             deq = getattr(lib, "dequantize_row_" + tname.lower().replace("_k", "_K"))
             deq.restype, deq.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
             y = np.zeros_like(x)
             deq(dst.ctypes.data, y.ctypes.data, x.size)
             errs[tname] = float((((x - y) ** 2) * imp).sum() * scale)
-        return {"err": errs, "sq": float(((x ** 2) * imp).sum() * scale), "rows": int(len(w)), "sampled": int(len(x))}
+        return {"err": errs, "sq": float(((x ** 2) * imp).sum() * scale), "rows": int(len(w)), "sampled": int(len(x)),
+                "row": row, "quantize_s": secs}
 
     # ctypes lets go of the GIL inside ggml's quantizers, so tensors run in parallel on the cores llama.cpp's own
     # quantizer would use (a third of a 9B allocation's time was this loop on one core)

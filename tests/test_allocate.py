@@ -117,6 +117,80 @@ def test_a_floor_named_by_a_type_is_never_allocated_worse_than_that_types_recipe
         floor_plan(units, sens, budget, cost, 1e-12, floor)
 
 
+def _quant_time(units, rng, factor: float):
+    """A quantizer-time model in which the types quantize at their own pace (IQ4_NL slowest, as ggml's is)."""
+    from quantgate.quant.proxy import QuantizeTime
+    per = {t: v * rng.uniform(0.8, 1.2) for t, v in
+           {"IQ4_NL": 2e-7, "Q4_0": 2e-8, "Q5_0": 6e-8, "Q5_1": 5e-8, "Q8_0": 3e-9}.items()}
+    ref = sum(u.n_elements * per["Q5_0"] for u in units)
+    return QuantizeTime(per, ref, factor * ref, factor, 1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_quantize_time_limit_is_met_and_costs_no_more_kld_than_it_must(seed):
+    """Under a limit on llama.cpp's predicted quantizer time the allocation keeps it and the byte budget, is the
+    unconstrained answer where that already fits, buys its time only with KLD, is no worse than any uniform type that
+    fits both; with a decode floor too both times are kept; a limit no allocation reaches is one line."""
+    rng = np.random.default_rng(seed)
+    units = [Unit(f"blk.{i}.ffn_up.weight", int(rng.integers(1, 9)) * 4096, 64) for i in range(6)]
+    sens = _sens(units, rng)
+    for u in units:  # IQ4_NL the best 4-bit type, as IQ4_XS is on k-quant rows: the one a free allocation picks
+        sens.delta[u.name]["IQ4_NL"] = sens.delta[u.name]["Q4_0"] * 0.3
+    budget = int(np.mean([sum(u.bytes("Q4_0") for u in units), sum(u.bytes("Q5_0") for u in units)]))
+    free = allocate(units, sens, budget)
+    q = _quant_time(units, rng, 1.0)
+    t_free = q.predict(units, free.types)
+    q.limit_s = t_free * 1.01
+    assert allocate(units, sens, budget, quant=q).types == free.types
+    combos = [dict(zip([u.name for u in units], c)) for c in
+              itertools.product(units[0].candidates(), repeat=len(units))]
+    fits = [c for c in combos if sum(u.bytes(c[u.name]) for u in units) <= budget]
+    quickest = min(q.predict(units, c) for c in fits)
+    assert quickest < t_free  # the free allocation is slow to quantize here: the limit can bind
+    for limit in np.linspace(quickest, t_free, 5)[:-1]:
+        q.limit_s = float(limit)
+        plan = allocate(units, sens, budget, quant=q)
+        assert plan.unit_bytes <= budget and plan.predicted_quantize_s <= limit * (1 + 1e-9)
+        assert plan.predicted_quantize_s == pytest.approx(q.predict(units, plan.types))
+        assert plan.predicted_kld >= free.predicted_kld - 1e-12 and plan.types != free.types
+        for t in units[0].candidates():
+            uni = {u.name: t for u in units}
+            if sum(u.bytes(t) for u in units) <= budget and q.predict(units, uni) <= limit:
+                assert plan.predicted_kld <= sens.base_kld + sum(sens.delta[u.name][t] for u in units) + 1e-12
+    cost = _cost(units, rng)
+    q.limit_s = float(np.mean([quickest, t_free]))
+    both = [c for c in fits if q.predict(units, c) <= q.limit_s]
+    dec = float(np.median([cost.predict(units, c) for c in both]))
+    plan = allocate(units, sens, budget, None, cost, dec, q)
+    assert plan.predicted_quantize_s <= q.limit_s * (1 + 1e-9) and plan.predicted_decode_s <= dec * (1 + 1e-9)
+    q.limit_s = quickest * 0.9
+    with pytest.raises(QuantgateError, match="quantize-time limit out of reach"):
+        allocate(units, sens, budget, quant=q)
+
+
+def test_the_proxy_limits_llama_cpps_quantizer_time_and_says_what_it_cost(f32_gguf, tmp_path, monkeypatch):
+    """With the proxy, each type's quantizer is timed on the sampled rows (ggml's IQ4_NL slower than its Q8_0); the
+    written file's types are predicted within the limit, and the summary and the file's metadata say the limit,
+    the prediction and the unlimited allocation's predicted error and time. Factor 0: no limit, nothing said."""
+    from gguf import GGUFReader
+
+    from quantgate.quant import proxy
+    from quantgate.quant.allocate import allocate_gguf
+    monkeypatch.setattr(proxy, "QUANTIZE_SLACK_S", 0.0)  # a tiny model's quantizer takes milliseconds
+    s = allocate_gguf(f32_gguf, tmp_path / "q.gguf", target_bpw=5.0, sensitivity="proxy", quantize_factor=1.0)
+    q = s["quantize_time"]
+    speeds = q["cpu_s_per_weight"]
+    assert set(speeds) >= {"IQ4_NL", "Q4_0", "Q5_0", "Q8_0"} and all(v > 0 for v in speeds.values())
+    assert speeds["IQ4_NL"] > 3 * speeds["Q8_0"]
+    assert q["limit_s"] == pytest.approx(q["reference_s"]) and q["predicted_s"] <= q["limit_s"] * (1 + 1e-9)
+    assert isinstance(q["binds"], bool) and q["unlimited_predicted_proxy_error"] <= q["predicted_proxy_error"]
+    assert q["binds"] == (q["unlimited_predicted_s"] > q["limit_s"])
+    assert "at most 1x" in GGUFReader(tmp_path / "q.gguf").fields["quantgate.allocation.quantize_time"].contents()
+    free = allocate_gguf(f32_gguf, tmp_path / "f.gguf", target_bpw=5.0, sensitivity="proxy", quantize_factor=0)
+    assert "quantize_time" not in free and "quantgate.allocation.quantize_time" not in GGUFReader(tmp_path / "f.gguf").fields
+    assert free["predicted_proxy_error"] == pytest.approx(q["unlimited_predicted_proxy_error"])
+
+
 def test_a_written_file_misses_its_floor_only_when_measurably_slower():
     """The floor check's sign test: a file meets its floor unless at most sign_k(n) of n alternated rounds are as
     fast as the floor (P <= 5% for a file no slower); the ratio it replans by is the median per-round ratio."""
@@ -257,7 +331,11 @@ def test_quantize_target_bpw_writes_the_chosen_types_within_the_budget(f32_gguf,
                                             (["--decode-floor", "Q4_K_M"], "--decode-floor applies to an allocation"),
                                             (["--sensitivity", "proxy"], "--sensitivity applies to an allocation"),
                                             (["--target-bpw", "6", "--decode-floor", "0.9*Q9"], "give tok/s"),
-                                            (["--target-bpw", "6", "--decode-floor", "1e9"], "give tok/s")])
+                                            (["--target-bpw", "6", "--decode-floor", "1e9"], "give tok/s"),
+                                            (["--quantize-time", "2"], "--quantize-time applies to an allocation"),
+                                            (["--target-bpw", "6", "--quantize-time", "-1"], "--quantize-time must"),
+                                            (["--target-bpw", "6", "--quantize-time", "0.5"], "--quantize-time must"),
+                                            (["--target-bpw", "6", "--quantize-time", "nan"], "--quantize-time must")])
 def test_a_budget_the_model_cannot_meet_is_one_line_and_writes_nothing(f32_gguf, tmp_path, target, needle):
     r = run_cli("quantize", f32_gguf, *target, "--out", tmp_path / "x.gguf",
                 env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
@@ -480,7 +558,11 @@ def test_the_proxy_gives_the_same_errors_on_any_number_of_threads(f32_gguf):
     from quantgate.quant.allocate import units_of
     from quantgate.quant.proxy import weight_errors
     units = units_of(f32_gguf)
-    assert weight_errors(f32_gguf, units, rows=16, threads=1) == weight_errors(f32_gguf, units, rows=16, threads=3)
+
+    def errors(threads: int) -> dict:  # the quantizers' CPU seconds are timings, not results
+        return {n: {k: v for k, v in e.items() if k != "quantize_s"}
+                for n, e in weight_errors(f32_gguf, units, rows=16, threads=threads).items()}
+    assert errors(1) == errors(3)
 
 
 def test_types_restrict_the_allocation_and_bad_ones_are_one_line(f32_gguf, tmp_path):

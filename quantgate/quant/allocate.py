@@ -15,7 +15,9 @@
 3. Allocation: the predicted KLD of an assignment is KLD(base) + sum of its units' deltas (additive: an assumption,
    not checked per file; the gate A/B's 1-2% reversals on the small pair are its error showing); under a byte
    budget this is a multiple-choice knapsack, solved by dynamic programming over the budget. Bytes per type are
-   ggml's block sizes. A decode floor adds a price on predicted decode time (quant.decode_cost).
+   ggml's block sizes. A decode floor adds a price on predicted decode time (quant.decode_cost); with the proxy, a
+   limit on llama.cpp's predicted quantizer time adds another (quant.proxy.quantize_time: IQ4_XS quantizes about 3x
+   slower than Q4_K, and an unlimited 9B allocation took 2.1x a plain quantize).
 4. The file is written by llama.cpp's quantizer with one override per unit, so stock llama.cpp opens it; the
    chosen type of every tensor goes to the file's metadata (`quantgate.allocation.tensor_types`, with the target and
    the predicted KLD) and to a JSON beside it with the measured sensitivity (`X.gguf.allocation.json`).
@@ -51,7 +53,7 @@ from ..reference import cache_dir
 from ..runners.open import fixed_ctx, open_runner
 from .decode_cost import DecodeCost, floor_check, floor_missed, measure_decode_cost
 from .llama_cpp import exact_overrides as overrides, importance_matrix, run_quantizer
-from .proxy import ROWS, proxy_deltas, weight_errors
+from .proxy import QUANTIZE_SLACK_S, QUANTIZE_TIME, ROWS, QuantizeTime, proxy_deltas, quantize_speeds, quantize_time, weight_errors
 from .targets import DecodeFloor
 
 CANDIDATES = ("Q2_K", "Q3_K", "IQ4_XS", "Q4_K", "Q5_K", "Q6_K", "Q8_0")  # types llama.cpp's own mixtures use
@@ -141,10 +143,12 @@ class Sensitivity:
     data: str
     kind: str = "measured"
     base: str = BASE  # the type every other unit holds (an ONNX allocation's: quant.allocate_onnx.BASE)
+    quantize_s: dict[str, float] | None = None  # the proxy's: each type's quantizer CPU seconds per weight
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "base_type": self.base, "base_kld": self.base_kld, "delta": self.delta,
-                "windows": self.windows, "ctx": self.ctx, "data": self.data}
+                "windows": self.windows, "ctx": self.ctx, "data": self.data,
+                **({"quantize_cpu_s_per_weight": self.quantize_s} if self.quantize_s else {})}
 
 
 PROXY_ABOVE = 100_000_000  # weights: --sensitivity auto measures below, takes the proxy above (hours to measure)
@@ -155,8 +159,10 @@ def proxy_sensitivity(src: Path, units: list[Unit], im: dict | None = None, rows
     """The weight-error proxy (quant.proxy) as a Sensitivity. Unlike the measured path it writes no base file, so
     it cannot know which units llama.cpp leaves in float: allocate_gguf learns that from the file it writes."""
     rows = rows or ROWS
-    delta = proxy_deltas(weight_errors(src, units, im, rows, seed, threads), BASE)
-    return Sensitivity(0.0, delta, rows, 0, "weights" + (" + importance matrix" if im is not None else ""), "proxy")
+    errors = weight_errors(src, units, im, rows, seed, threads)
+    return Sensitivity(0.0, proxy_deltas(errors, BASE), rows, 0,
+                       "weights" + (" + importance matrix" if im is not None else ""), "proxy",
+                       quantize_s=quantize_speeds(errors))
 
 
 def measure_sensitivity(src: str | Path, units: list[Unit], calib_data: str = "embedded", n_windows: int = 8,
@@ -236,6 +242,7 @@ class Allocation:
     budget_bytes: int
     predicted_decode_s: float | None = None
     recipe: str | None = None  # the floor's own llama.cpp type, where its per-tensor types are this allocation
+    predicted_quantize_s: float | None = None  # with a quantize-time limit: llama.cpp's quantizer, predicted
 
 
 def recipe_plan(units: list[Unit], sens: Sensitivity, cost: DecodeCost | None, floor: DecodeFloor | None,
@@ -257,14 +264,16 @@ def recipe_plan(units: list[Unit], sens: Sensitivity, cost: DecodeCost | None, f
 
 
 def floor_plan(units: list[Unit], sens: Sensitivity, budget_bytes: int, cost: DecodeCost, limit_s: float,
-               floor: DecodeFloor) -> Allocation:
+               floor: DecodeFloor, quant: QuantizeTime | None = None) -> Allocation:
     """The allocation under a decode floor: the KLD-optimal one predicted fast enough, or the floor's own recipe
     (recipe_plan) where that is predicted to lose less KLD or no allocation is predicted fast enough. The recipe's
     speed is the floor's, so the allocator is never worse than the file the user measured it against; it can only
-    be that file's types."""
+    be that file's types (whose quantizer time is a plain quantize's: `quant` bounds only the allocation)."""
     recipe = recipe_plan(units, sens, cost, floor, budget_bytes)
+    if recipe is not None and quant is not None:
+        recipe.predicted_quantize_s = quant.predict(units, recipe.types)
     try:
-        plan = allocate(units, sens, budget_bytes, None, cost, limit_s)
+        plan = allocate(units, sens, budget_bytes, None, cost, limit_s, quant)
     except QuantgateError as e:
         if recipe is None or "decode floor out of reach" not in str(e):
             raise
@@ -277,42 +286,57 @@ FLOOR_TRIES = 3  # files written and timed against a decode floor before a short
 
 
 def allocate(units: list[Unit], sens: Sensitivity, budget_bytes: int, fixed: dict[str, str] | None = None,
-             cost: DecodeCost | None = None, limit_s: float | None = None) -> Allocation:
+             cost: DecodeCost | None = None, limit_s: float | None = None,
+             quant: QuantizeTime | None = None) -> Allocation:
     """Types that minimise the predicted KLD with the units' bytes under `budget_bytes`; `fixed` units keep the type
     given (the gate A/B's held arm). With a decode cost and `limit_s` (the most decode seconds per token the floor
-    allows), the predicted decode time must stay under it too: a Lagrangian relaxation (minimise KLD + lam * decode
-    seconds, lam searched by bisection until the time fits), since a second capacity would square the dynamic
-    program. Raises when even the cheapest types do not fit, or no allocation is predicted fast enough."""
-    score = {u.name: dict(sens.delta[u.name]) for u in units}
-    plan = _cheapest_kld(units, sens, score, budget_bytes, fixed)
-    if cost is None or limit_s is None:
-        return plan
-    plan.predicted_decode_s = cost.predict(units, plan.types)
-    if plan.predicted_decode_s <= limit_s:
+    allows), the predicted decode time must stay under it too, and with `quant` llama.cpp's predicted quantizer time
+    under its limit: a Lagrangian relaxation (minimise KLD + lam * each time over its limit, lam searched by
+    bisection until every time fits), since a second capacity would square the dynamic program. Raises when even the
+    cheapest types do not fit, or no allocation is predicted fast enough."""
+    limits = [(c, lim) for c, lim in ((cost, limit_s), (quant, quant.limit_s if quant else None))
+              if c is not None and lim is not None]
+
+    def timed(a: Allocation) -> Allocation:
+        if cost is not None and limit_s is not None:
+            a.predicted_decode_s = cost.predict(units, a.types)
+        if quant is not None:
+            a.predicted_quantize_s = quant.predict(units, a.types)
+        return a
+
+    def fits(a: Allocation) -> bool:
+        return all(c.predict(units, a.types) <= lim * (1 + 1e-12) for c, lim in limits)  # sums in any order
+
+    plan = timed(_cheapest_kld(units, sens, {u.name: dict(sens.delta[u.name]) for u in units}, budget_bytes, fixed))
+    if fits(plan):
         return plan
 
     def at(lam: float) -> Allocation:
-        sc = {u.name: {t: d + lam * u.n_elements * cost.extra.get(t, 0.0) for t, d in sens.delta[u.name].items()}
-              for u in units}
-        a = _cheapest_kld(units, sens, sc, budget_bytes, fixed)
-        a.predicted_decode_s = cost.predict(units, a.types)
-        return a
+        sc = {u.name: {t: d + lam * u.n_elements * sum(c.extra.get(t, 0.0) / lim for c, lim in limits)
+                       for t, d in sens.delta[u.name].items()} for u in units}
+        return timed(_cheapest_kld(units, sens, sc, budget_bytes, fixed))
 
-    lo, hi = 0.0, max(sens.base_kld, 1e-9) / max(limit_s, 1e-12)  # a first lam: KLD and seconds on one scale
+    # a first lam: KLD and time (over its limit) on one scale; the proxy has no base KLD, so its typical delta
+    scale = sens.base_kld or float(np.median([abs(d) for dd in sens.delta.values() for d in dd.values() if d] or [0]))
+    lo, hi = 0.0, max(scale, 1e-9)
     fast = at(hi)
     for _ in range(60):
-        if fast.predicted_decode_s <= limit_s:
+        if fits(fast):
             break
         lo, hi = hi, hi * 4
         fast = at(hi)
     else:
-        raise QuantgateError(f"decode floor out of reach under this budget: the fastest allocation is predicted at "
-                             f"{1 / fast.predicted_decode_s:.4g} tok/s, the floor asks {1 / limit_s:.4g} tok/s; "
-                             f"lower the floor or raise the budget; nothing was written")
+        if cost is not None and limit_s is not None and fast.predicted_decode_s > limit_s:
+            raise QuantgateError(f"decode floor out of reach under this budget: the fastest allocation is predicted "
+                                 f"at {1 / fast.predicted_decode_s:.4g} tok/s, the floor asks {1 / limit_s:.4g} tok/s; "
+                                 f"lower the floor or raise the budget; nothing was written")
+        raise QuantgateError(f"quantize-time limit out of reach under this budget: the quickest allocation is "
+                             f"predicted at {fast.predicted_quantize_s:.4g} s of llama.cpp's quantizer, the limit is "
+                             f"{quant.limit_s:.4g} s; raise --quantize-time (0: no limit); nothing was written")
     for _ in range(40):  # bisection: the least lam whose allocation fits the time (less lam, less KLD)
         mid = (lo + hi) / 2
         a = at(mid)
-        if a.predicted_decode_s <= limit_s:
+        if fits(a):
             hi, fast = mid, a
         else:
             lo = mid
@@ -444,7 +468,7 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
                   calib_data: str = "embedded", calib_windows: int = 8, ctx: int = 128, seed: int = 0,
                   threads: int | None = None, hold_gates: bool = False, imatrix: bool = False,
                   decode_floor: DecodeFloor | None = None, sensitivity: str = "auto",
-                  types: tuple[str, ...] = ()) -> dict:
+                  types: tuple[str, ...] = (), quantize_factor: float | None = None) -> dict:
     """Write `out` from the F32/F16/BF16 GGUF `src` with per-tensor types chosen under the target (bits per weight
     over all tensors, or file bytes); `hold_gates` keeps the gate units at the allocation's base type (the A/B's
     held arm: the same budget, the gates given no more bits than most of the model); `imatrix`: every
@@ -453,13 +477,20 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
     (quant.decode_cost), must not fall below it; `sensitivity`: "measured" (KLD per tensor and type), "proxy"
     (weight error, quant.proxy: for models too large to measure) or "auto" (measured up to PROXY_ABOVE weights);
     `types`: the candidate types allowed (parse_types; empty: all), e.g. leaving out IQ4_XS, whose quantizer is about
-    3x slower than Q4_K's and whose CPU decode is slower than its size suggests.
+    3x slower than Q4_K's and whose CPU decode is slower than its size suggests; `quantize_factor` (default
+    QUANTIZE_TIME; 0: no limit): with the proxy, which times each type's quantizer on its sampled rows, llama.cpp's
+    quantizer on the chosen types is predicted to take at most that many times its time with every tensor at Q4_K,
+    or a minute more (quant.proxy.quantize_time).
     The chosen types land in the file's metadata (quantgate.allocation.*) and, with the measured sensitivity, in
     `out`.allocation.json. Returns that summary."""
     if (target_bpw is None) == (target_bytes is None):
         raise QuantgateError("give one target: --target-bpw or --target-size")
     if target_bpw is not None and not 1.0 <= target_bpw <= 32.0:
         raise QuantgateError(f"--target-bpw must be between 1 and 32, got {target_bpw}")
+    factor = QUANTIZE_TIME if quantize_factor is None else quantize_factor
+    if not (np.isfinite(factor) and (factor == 0 or factor >= 1)):
+        raise QuantgateError(f"--quantize-time must be 0 (no limit) or at least 1 (times a Q4_K quantize), got "
+                             f"{quantize_factor}")
     src, out = Path(src), Path(out)
     units = units_of(src, types)
     if not units:
@@ -498,12 +529,15 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
         limit = cost.limit_s(decode_floor)
         clock.lap("decode_cost")
 
-    def plan_for(kept: list[Unit]) -> Allocation:
-        budget = budget_for(kept)
+    def quant_for(kept: list[Unit]) -> QuantizeTime | None:  # the proxy timed each type's quantizer
+        return quantize_time(kept, sens.quantize_s, factor, threads) if sens.quantize_s else None
+
+    def plan_for(kept: list[Unit], limited: bool = True) -> Allocation:
+        budget, q = budget_for(kept), quant_for(kept) if limited else None
         if cost is not None and not hold_gates:  # the held arm holds the gates, which the floor's recipe does not
-            return floor_plan(kept, sens, budget, cost, limit, decode_floor)
-        p = allocate(kept, sens, budget, None, cost, limit)
-        return allocate(kept, sens, budget, held_gates(kept, p), cost, limit) if hold_gates else p
+            return floor_plan(kept, sens, budget, cost, limit, decode_floor, q)
+        p = allocate(kept, sens, budget, None, cost, limit, q)
+        return allocate(kept, sens, budget, held_gates(kept, p), cost, limit, q) if hold_gates else p
 
     def write(plan: Allocation) -> GGUFInfo:
         written = run_quantizer(src, raw, BASE, overrides(plan.types), im, threads=threads, shown=out)
@@ -565,6 +599,12 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
             if cost is not None:
                 meta[f"{META}.decode_floor"] = floor_words(decode_floor, plan, tries)
                 meta[f"{META}.predicted_decode_tps"] = float(1 / plan.predicted_decode_s)
+            quant = quant_for(units)
+            if quant is not None:
+                meta[f"{META}.quantize_time"] = (
+                    f"at most {factor:g}x llama.cpp's quantizer time with every tensor at Q4_K, or "
+                    f"{QUANTIZE_SLACK_S:.0f} s more (limit {quant.limit_s:.0f} s predicted here on {quant.threads} "
+                    f"threads; this file {quant.predict(units, plan.types):.0f} s)")
             copy_with_metadata(raw, tmp, meta)
             clock.lap("metadata copy")
         finally:
@@ -576,12 +616,27 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
                "hold_gates": hold_gates, "imatrix": imatrix, "types_allowed": list(types) or "all",
                "types": plan.types, "gate_types": {n: t for n, t in plan.types.items() if n.endswith(GATE_UNITS)},
                "sensitivity": sens.to_dict(), "seconds": clock.seconds}
+    if quant is not None:
+        summary["quantize_time"] = {**quant.to_dict(), "predicted_s": quant.predict(units, plan.types),
+                                    **quantize_time_price(plan_for, units, quant, plan, measured)}
     if cost is not None:
         summary.update(decode_floor=str(decode_floor), floor_tps=1 / cost.limit_s(decode_floor),
                        predicted_decode_tps=1 / plan.predicted_decode_s, decode_cost=cost.to_dict(),
                        floor_checks=tries, floor_recipe=plan.recipe)
     write_json(side, summary, kind="allocation")
     return summary
+
+
+def quantize_time_price(plan_for, units: list[Unit], quant: QuantizeTime, plan: Allocation, measured: bool) -> dict:
+    """What the quantize-time limit cost: the allocation planned without it, its predicted quantizer seconds and
+    predicted error (KLD, or the proxy's), beside the written one's."""
+    try:
+        free = plan_for(units, limited=False)
+    except QuantgateError as e:  # e.g. a decode floor that only the limited plan met
+        return {"binds": None, "unlimited": str(e)}
+    word = "predicted_kld" if measured else "predicted_proxy_error"
+    return {"binds": free.types != plan.types, f"unlimited_{word}": free.predicted_kld,
+            "unlimited_predicted_s": quant.predict(units, free.types), word: plan.predicted_kld}
 
 
 def floor_words(floor: DecodeFloor, plan: Allocation, tries: list[dict], what: str = "file") -> str:

@@ -23,9 +23,11 @@ Written by hand: no library ranks llama.cpp types per tensor from ggml's own qua
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,11 +44,13 @@ ROWS = 256  # rows sampled per tensor: the error's relative spread over rows is 
 
 def weight_errors(src: Path, units, im: dict | None = None, rows: int = ROWS, seed: int = 0,
                   threads: int | None = None) -> dict:
-    """{unit name: {"err": {type: error}, "sq": squared norm, "rows": n}} for every unit and its candidate types,
-    computed in the llama.cpp worker (a ggml abort ends in one line, not in this process) on `threads` threads
-    (default: every core, as llama.cpp's quantizer)."""
+    """{unit name: {"err": {type: error}, "sq": squared norm, "rows": n, "sampled": rows sampled, "quantize_s":
+    {type: CPU seconds on the sampled rows}}} for every unit, its candidate types and its reference_type, computed in
+    the llama.cpp worker (a ggml abort ends in one line, not in this process) on `threads` threads (default: every
+    core, as llama.cpp's quantizer)."""
     request = {"src": str(src), "rows": rows, "seed": seed, "threads": threads,
-               "units": [[u.name, {t: _type_info(t) for t in u.candidates()}] for u in units]}
+               "units": [[u.name, {t: _type_info(t) for t in dict.fromkeys((*u.candidates(), reference_type(u)))}]
+                         for u in units]}
     with tempfile.TemporaryDirectory() as work:
         if im is not None:
             np.savez(Path(work) / "imatrix.npz", **im)
@@ -75,3 +79,61 @@ def _type_info(t: str) -> tuple[int, int, int]:
 def proxy_deltas(errors: dict, base: str) -> dict[str, dict[str, float]]:
     """Each unit's error at each type over its error at the base type."""
     return {name: {t: v - e["err"][base] for t, v in e["err"].items()} for name, e in errors.items()}
+
+
+# The allocator's quantize-time limit (`quantize --quantize-time`): llama.cpp's quantizer on the allocated types may
+# take at most this many times what it takes with every tensor at reference_type, or QUANTIZE_SLACK_S seconds more,
+# whichever is longer. Why: ggml quantizes IQ4_XS about 3x slower than Q4_K (benchmarks/results/allocator_proxy.md),
+# and an unlimited 9B allocation that chose it for the FFN took 2.1x a plain Q4_K_M quantize, most of it in
+# llama.cpp's quantizer. The slack keeps a small model's allocation (a quantizer of seconds) free of the limit.
+QUANTIZE_TIME = 1.5
+QUANTIZE_SLACK_S = 60.0
+
+
+def reference_type(u) -> str:
+    """The type a plain Q4_K_M quantize gives most of a model's weights: Q4_K, or Q5_0 where rows are not a multiple
+    of 256 (llama.cpp's fallback for Q4_K there). The quantize-time limit is a multiple of its time."""
+    return "Q4_K" if u.row % 256 == 0 else "Q5_0"
+
+
+def quantize_speeds(errors: dict) -> dict[str, float]:
+    """CPU seconds per weight of each type's quantizer (one thread), over every unit's sampled rows."""
+    secs: dict[str, float] = {}
+    elements: dict[str, int] = {}
+    for e in errors.values():
+        n = e["sampled"] * e["row"]
+        for t, v in e.get("quantize_s", {}).items():
+            secs[t] = secs.get(t, 0.0) + v
+            elements[t] = elements.get(t, 0) + n
+    return {t: secs[t] / elements[t] for t in secs if elements[t] > 0}
+
+
+@dataclass
+class QuantizeTime:
+    """llama.cpp's quantizer time on an assignment, predicted from each type's CPU seconds per weight (quantize_speeds)
+    over the threads it runs on (`extra`: wall seconds per weight), against the limit the allocation must keep:
+    max(factor x reference_s, reference_s + QUANTIZE_SLACK_S), reference_s every unit at reference_type."""
+    extra: dict[str, float]
+    reference_s: float
+    limit_s: float
+    factor: float
+    threads: int
+
+    def predict(self, units, types: dict[str, str]) -> float:
+        """Predicted wall seconds of llama.cpp's quantizer on `types` (unit name -> type)."""
+        return sum(u.n_elements * self.extra.get(types[u.name], 0.0) for u in units)
+
+    def to_dict(self) -> dict:
+        return {"factor": self.factor, "slack_s": QUANTIZE_SLACK_S, "reference": "every tensor at Q4_K (Q5_0 where "
+                "rows are not a multiple of 256)", "reference_s": self.reference_s, "limit_s": self.limit_s,
+                "threads": self.threads, "cpu_s_per_weight": {t: v * self.threads for t, v in self.extra.items()}}
+
+
+def quantize_time(units, speeds: dict[str, float], factor: float, threads: int | None) -> QuantizeTime | None:
+    """The quantize-time limit for `units` from the measured `speeds` (None: no limit, factor 0, or a type untimed)."""
+    if not factor or any(t not in speeds for u in units for t in (*u.candidates(), reference_type(u))):
+        return None
+    n = threads or os.cpu_count() or 1
+    extra = {t: v / n for t, v in speeds.items()}
+    ref = sum(u.n_elements * extra[reference_type(u)] for u in units)
+    return QuantizeTime(extra, ref, max(factor * ref, ref + QUANTIZE_SLACK_S), factor, n)
