@@ -191,6 +191,32 @@ def test_the_proxy_limits_llama_cpps_quantizer_time_and_says_what_it_cost(f32_gg
     assert free["predicted_proxy_error"] == pytest.approx(q["unlimited_predicted_proxy_error"])
 
 
+def test_a_floor_named_by_a_type_is_planned_as_the_model_predicts_that_types_recipe():
+    """The speed model is additive and predicts a mixture only roughly, so a floor named by a type is planned against
+    the model's prediction of that type's own recipe (over its fraction), not its file's measured time: the recipe
+    then sits exactly at the limit. A tok/s floor, or a recipe holding a type the model never timed, keeps the
+    measured limit."""
+    from quantgate.quant.allocate import floor_plan
+    rng = np.random.default_rng(0)
+    units = [Unit(f"blk.{i}.ffn_up.weight", int(rng.integers(1, 9)) * 4096, 64) for i in range(6)]
+    sens, cost = _sens(units, rng), _cost(units, rng)
+    cost.reference_types = {u.name: "Q5_0" if i % 2 else "Q4_0" for i, u in enumerate(units)}
+    predicted = cost.predict(units, cost.reference_types)
+    cost.reference_s = {"Q4_0": predicted * 0.93}  # the file measured faster than the model puts its recipe
+    assert cost.limit_s(parse_floor("Q4_0")) == pytest.approx(predicted * 0.93)
+    assert cost.plan_limit_s(parse_floor("Q4_0"), units) == pytest.approx(predicted)
+    assert cost.plan_limit_s(parse_floor("0.9xQ4_0"), units) == pytest.approx(predicted / 0.9)
+    assert cost.plan_limit_s(parse_floor("40"), units) == pytest.approx(1 / 40)
+    budget = int(np.mean([sum(u.bytes("Q5_0") for u in units), sum(u.bytes("Q8_0") for u in units)]))
+    floor = parse_floor("Q4_0")
+    plan = floor_plan(units, sens, budget, cost, cost.plan_limit_s(floor, units), floor)
+    assert plan.predicted_decode_s <= predicted * (1 + 1e-9)  # never out of reach: the recipe itself fits
+    with pytest.raises(QuantgateError, match="out of reach"):  # the measured limit: the recipe predicted too slow
+        allocate(units, sens, budget, None, cost, float(cost.limit_s(floor) * 0.9))
+    cost.reference_types[units[0].name] = "Q6_K"  # a type the model did not time
+    assert cost.plan_limit_s(floor, units) == pytest.approx(predicted * 0.93)
+
+
 def test_a_written_file_misses_its_floor_only_when_measurably_slower():
     """The floor check's sign test: a file meets its floor unless at most sign_k(n) of n alternated rounds are as
     fast as the floor (P <= 5% for a file no slower); the ratio it replans by is the median per-round ratio."""

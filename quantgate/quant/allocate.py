@@ -526,7 +526,7 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
     if decode_floor is not None:
         kinds = tuple(sorted({t for u in units for t in u.candidates()}))
         cost = measure_decode_cost(src, units, BASE, kinds, decode_floor.reference, threads, out.parent, im)
-        limit = cost.limit_s(decode_floor)
+        limit = cost.plan_limit_s(decode_floor, units)
         clock.lap("decode_cost")
 
     def quant_for(kept: list[Unit]) -> QuantizeTime | None:  # the proxy timed each type's quantizer

@@ -357,9 +357,9 @@ def allocate_onnx(src: str | Path, out: str | Path, target_bpw: float | None = N
     cost = limit = None
     if decode_floor is not None:
         cost = measure_decode_cost(path, model_dir, graph, threads)
-        limit = cost.limit_s(decode_floor)
         if decode_floor.reference is not None:  # the floor's own recipe (quant.allocate.recipe_plan)
             cost.reference_types = uniform_types(graph, decode_floor.reference)
+        limit = cost.plan_limit_s(decode_floor, graph.units)  # a uniform option: its own file's time, as measured
 
     def plan_for() -> Allocation:  # under the current limit (a floor check may tighten it)
         if cost is not None and not hold_gates:  # the held arm holds the gates, which the floor's recipe does not

@@ -114,6 +114,20 @@ class DecodeCost:
             return 1.0 / floor.tps
         return self.reference_s[floor.reference] / floor.fraction
 
+    def plan_limit_s(self, floor: DecodeFloor, units) -> float:
+        """The limit an allocation is planned against. A floor named by a type is that type's file, and the model
+        predicts a mixture of types only roughly (on the medium baseline it put Q4_K_S's own recipe at 1958 tok/s,
+        measured 2096): so the floor is taken as the model predicts the type's own recipe (reference_types), and an
+        allocation predicted as fast as that recipe is planned as as fast as its file. The written file is then
+        timed against the measured floor (floor_check). Where the recipe holds a type the model did not time, or
+        the floor is in tok/s, the measured limit."""
+        if floor.reference is None or not self.reference_types or not units:
+            return self.limit_s(floor)
+        types = {u.name: self.reference_types.get(u.name) for u in units}
+        if any(t not in self.extra for t in types.values()):  # extra holds the base type too (0 s)
+            return self.limit_s(floor)
+        return self.predict(units, types) / floor.fraction
+
     def to_dict(self) -> dict:
         return {"base_s": self.base_s, "extra_s_per_element": self.extra, "reference_s": self.reference_s,
                 "threads": self.threads, "measured_s": self.measured, "protocol": {**SPEED, "kv": self.kv},
