@@ -117,6 +117,35 @@ def test_a_floor_named_by_a_type_is_never_allocated_worse_than_that_types_recipe
         floor_plan(units, sens, budget, cost, 1e-12, floor)
 
 
+def test_exchanges_close_the_price_on_times_gap_to_the_best_assignment(monkeypatch):
+    """A price on decode time finds only the convex hull of (KLD, time); exchanges from its answer reach the best
+    assignment under the limit, found here by brute force over every assignment (5 units, 5 types), and never end
+    worse than the priced answer alone."""
+    from quantgate.quant import allocate as alloc_mod
+    found, closed = [], 0
+    for seed in range(8):
+        rng = np.random.default_rng(seed)
+        units = [Unit(f"blk.{i}.ffn_up.weight", int(rng.integers(1, 9)) * 4096, 64) for i in range(5)]
+        sens, cost = _sens(units, rng), _cost(units, rng)
+        budget = int(np.mean([sum(u.bytes("Q5_0") for u in units), sum(u.bytes("Q8_0") for u in units)]))
+        combos = [dict(zip([u.name for u in units], c)) for c in
+                  itertools.product(units[0].candidates(), repeat=len(units))]
+        fits = [c for c in combos if sum(u.bytes(c[u.name]) for u in units) <= budget]
+        t_free = cost.predict(units, allocate(units, sens, budget).types)
+        for limit in np.linspace(min(cost.predict(units, c) for c in fits), t_free, 6)[1:-1]:
+            best = min(sens.base_kld + sum(sens.delta[u.name][c[u.name]] for u in units)
+                       for c in fits if cost.predict(units, c) <= limit)
+            plan = allocate(units, sens, budget, None, cost, float(limit))
+            with monkeypatch.context() as m:
+                m.setattr(alloc_mod, "_exchange", lambda types, *a, **k: dict(types))
+                priced = allocate(units, sens, budget, None, cost, float(limit))
+            assert plan.unit_bytes <= budget and plan.predicted_decode_s <= limit * (1 + 1e-9)
+            assert best * (1 - 1e-9) <= plan.predicted_kld <= priced.predicted_kld + 1e-12
+            found.append(plan.predicted_kld / best - 1)
+            closed += priced.predicted_kld > plan.predicted_kld + 1e-12
+    assert max(found) < 1e-9 and closed >= 1  # every gap closed here, and the price alone left some open
+
+
 def _quant_time(units, rng, factor: float):
     """A quantizer-time model in which the types quantize at their own pace (IQ4_NL slowest, as ggml's is)."""
     from quantgate.quant.proxy import QuantizeTime

@@ -270,8 +270,17 @@ def floor_plan(units: list[Unit], sens: Sensitivity, budget_bytes: int, cost: De
     speed is the floor's, so the allocator is never worse than the file the user measured it against; it can only
     be that file's types (whose quantizer time is a plain quantize's: `quant` bounds only the allocation)."""
     recipe = recipe_plan(units, sens, cost, floor, budget_bytes)
-    if recipe is not None and quant is not None:
-        recipe.predicted_quantize_s = quant.predict(units, recipe.types)
+    if recipe is not None:
+        if quant is not None:
+            recipe.predicted_quantize_s = quant.predict(units, recipe.types)
+        limits = [(cost, limit_s)] + ([(quant, quant.limit_s)] if quant is not None else [])
+        if all(c.predict(units, recipe.types) <= lim * (1 + 1e-12) for c, lim in limits):
+            better = _exchange(recipe.types, units, sens, budget_bytes, limits)  # the recipe, bettered where it can be
+            if better != recipe.types:
+                recipe = _plan(better, units, sens, budget_bytes)
+                recipe.predicted_decode_s = cost.predict(units, better)
+                if quant is not None:
+                    recipe.predicted_quantize_s = quant.predict(units, better)
     try:
         plan = allocate(units, sens, budget_bytes, None, cost, limit_s, quant)
     except QuantgateError as e:
@@ -340,7 +349,48 @@ def allocate(units: list[Unit], sens: Sensitivity, budget_bytes: int, fixed: dic
             hi, fast = mid, a
         else:
             lo = mid
-    return fast
+    return timed(_plan(_exchange(fast.types, units, sens, budget_bytes, limits, fixed), units, sens, budget_bytes))
+
+
+def _exchange(types: dict[str, str], units: list[Unit], sens: Sensitivity, budget_bytes: int, limits: list,
+              fixed: dict[str, str] | None = None, rounds: int = 1000) -> dict[str, str]:
+    """Better a feasible assignment by exchanges: the change of one unit's type, or of two units' at once (one up,
+    one down), that lowers the predicted KLD most while the bytes and every predicted time (`limits`: [(model with
+    .predict and per-weight .extra, limit)]) stay within their limits, until none does. Why: a price on time finds
+    only the assignments on the convex hull of (KLD, time), and the best one under a limit often lies between two of
+    them; exchanges from the priced answer, or from a floor's recipe, reach in there. Written by hand (a local
+    search; no library holds one for this knapsack)."""
+    free = [u for u in units if u.name not in (fixed or {})]
+    moves = [(i, t) for i, u in enumerate(free) for t in u.candidates() if t in sens.delta[u.name]]
+    if not moves:
+        return dict(types)
+    owner = np.array([i for i, _t in moves] + [-1])  # the last move changes nothing: pairs with it are single moves
+    kld = np.array([sens.delta[free[i].name][t] for i, t in moves] + [0.0])
+    size = np.array([free[i].bytes(t) for i, t in moves] + [0], dtype=np.float64)
+    cost = [np.array([free[i].n_elements * c.extra.get(t, 0.0) for i, t in moves] + [0.0]) for c, _lim in limits]
+    same = owner[:, None] == owner[None, :]
+    same[-1, -1] = False
+    types = dict(types)
+    for _ in range(rounds):
+        at = np.array([j for j, (i, t) in enumerate(moves) if types[free[i].name] == t])  # each unit's current move
+        if len(at) != len(free):  # a unit at a type it cannot take (not from the allocator): left as it is
+            return types
+
+        def change(v: np.ndarray) -> np.ndarray:  # each move's change from the current assignment
+            return np.append(v[:-1] - v[at][owner[:-1]], 0.0)
+        dk, db = change(kld), change(size)
+        ok = (db[:, None] + db[None, :] <= budget_bytes - sum(u.bytes(types[u.name]) for u in units)) & ~same
+        for c_arr, (c, lim) in zip(cost, limits):
+            dt = change(c_arr)
+            ok &= dt[:, None] + dt[None, :] <= lim * (1 + 1e-12) - c.predict(units, types)
+        gain = np.where(ok, dk[:, None] + dk[None, :], np.inf)
+        a, b = divmod(int(np.argmin(gain)), len(owner))
+        if not gain[a, b] < -1e-9 * max(abs(float(kld[at].sum())), 1e-30):
+            break
+        for m in (a, b):
+            if owner[m] >= 0:
+                types[free[owner[m]].name] = moves[m][1]
+    return types
 
 
 def _cheapest_kld(units: list[Unit], sens: Sensitivity, score: dict[str, dict[str, float]], budget_bytes: int,
