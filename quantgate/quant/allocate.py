@@ -17,7 +17,9 @@
    budget this is a multiple-choice knapsack, solved by dynamic programming over the budget. Bytes per type are
    ggml's block sizes. A decode floor adds a price on predicted decode time (quant.decode_cost); with the proxy, a
    limit on llama.cpp's predicted quantizer time adds another (quant.proxy.quantize_time: IQ4_XS quantizes about 3x
-   slower than Q4_K, and an unlimited 9B allocation took 2.1x a plain quantize).
+   slower than Q4_K, and an unlimited 9B allocation took 2.1x a plain quantize). A price finds only the convex hull
+   of (KLD, time); exchanges of one or two units' types from its answer then reach the best assignment between
+   (on small instances, where brute force can check it, every time).
 4. The file is written by llama.cpp's quantizer with one override per unit, so stock llama.cpp opens it; the
    chosen type of every tensor goes to the file's metadata (`quantgate.allocation.tensor_types`, with the target and
    the predicted KLD) and to a JSON beside it with the measured sensitivity (`X.gguf.allocation.json`).
