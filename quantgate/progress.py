@@ -93,8 +93,8 @@ class _PlainReporter:
         return " | ".join(task_line(t) for t in inner or [t for _p, t in tasks]) or None
 
     def _run(self) -> None:
-        every = plain_every()
-        while True:
+        while True:  # the interval read each time: the thread outlives the verb that started it (one per process)
+            every = plain_every()
             time.sleep(min(1.0, every / 4))
             if time.monotonic() - self.last < every:
                 continue

@@ -63,6 +63,22 @@ def test_a_report_cell_without_a_count_of_its_own_still_prints_in_a_log(tmp_path
     assert re.search(r"^onnx gated int8-dynamic: 0m0\ds elapsed$", err, re.M), err
 
 
+def test_the_interval_is_read_while_the_reporter_runs(tmp_path, monkeypatch, capfd):
+    """One reporter thread serves the whole process: started by a step under one interval, it still keeps the
+    interval set later (it once kept the first, so a library user's second call, or a test after another, spoke 20 s
+    late)."""
+    from quantgate.progress import stage
+    monkeypatch.setenv("QUANTGATE_PROGRESS", "1")
+    monkeypatch.setenv("QUANTGATE_PROGRESS_EVERY", "20")
+    with stage("first step"):
+        time.sleep(0.3)
+    monkeypatch.setenv("QUANTGATE_PROGRESS_EVERY", "0.3")
+    with stage("second step"):
+        time.sleep(1.5)
+    err = capfd.readouterr().err
+    assert re.search(r"^second step: 0m0\ds elapsed$", err, re.M), err
+
+
 def test_a_long_verb_without_a_bar_of_its_own_still_prints_in_a_log(tmp_path, monkeypatch):
     """llama.cpp's quantizer has no bar: `quantgate quantize X.gguf > log` once sat silent for minutes at a 0.8B shape.
     Every long verb carries a heartbeat in a log; `generate` streams text instead and carries none."""
