@@ -55,7 +55,7 @@ from ..reference import cache_dir
 from ..runners.open import fixed_ctx, open_runner
 from .decode_cost import DecodeCost, floor_check, floor_missed, measure_decode_cost
 from .llama_cpp import exact_overrides as overrides, importance_matrix, run_quantizer
-from .proxy import (QUANTIZE_SLACK_S, QUANTIZE_TIME, ROWS, QuantizeTime, proxy_deltas, quantize_speeds, quantize_time,
+from .proxy import (QUANTIZE_TIME, ROWS, QuantizeTime, proxy_deltas, quantize_speeds, quantize_time,
                     weight_errors)
 from .targets import DecodeFloor
 
@@ -655,8 +655,8 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
             quant = quant_for(units)
             if quant is not None:
                 meta[f"{META}.quantize_time"] = (
-                    f"at most {factor:g}x llama.cpp's quantizer time with every tensor at Q4_K, or "
-                    f"{QUANTIZE_SLACK_S:.0f} s more (limit {quant.limit_s:.0f} s predicted here on {quant.threads} "
+                    f"at most {factor:g}x llama.cpp's quantizer time with every tensor at Q4_K (Q5_0 on shorter rows), or "
+                    f"{quant.slack_s:.0f} s more (limit {quant.limit_s:.0f} s predicted here on {quant.threads} "
                     f"threads; this file {quant.predict(units, plan.types):.0f} s)")
             copy_with_metadata(raw, tmp, meta)
             clock.lap("metadata copy")
@@ -688,8 +688,9 @@ def quantize_time_price(plan_for, units: list[Unit], quant: QuantizeTime, plan: 
     except QuantgateError as e:  # e.g. a decode floor that only the limited plan met
         return {"binds": None, "unlimited": str(e)}
     word = "predicted_kld" if measured else "predicted_proxy_error"
-    return {"binds": free.types != plan.types, f"unlimited_{word}": free.predicted_kld,
-            "unlimited_predicted_s": quant.predict(units, free.types), word: plan.predicted_kld}
+    free_s = quant.predict(units, free.types)
+    return {"binds": free_s > quant.limit_s, f"unlimited_{word}": free.predicted_kld, "unlimited_predicted_s": free_s,
+            word: plan.predicted_kld}
 
 
 def floor_words(floor: DecodeFloor, plan: Allocation, tries: list[dict], what: str = "file") -> str:

@@ -118,13 +118,14 @@ class QuantizeTime:
     limit_s: float
     factor: float
     threads: int
+    slack_s: float = QUANTIZE_SLACK_S
 
     def predict(self, units, types: dict[str, str]) -> float:
         """Predicted wall seconds of llama.cpp's quantizer on `types` (unit name -> type)."""
         return sum(u.n_elements * self.extra.get(types[u.name], 0.0) for u in units)
 
     def to_dict(self) -> dict:
-        return {"factor": self.factor, "slack_s": QUANTIZE_SLACK_S, "reference": "every tensor at Q4_K (Q5_0 where "
+        return {"factor": self.factor, "slack_s": self.slack_s, "reference": "every tensor at Q4_K (Q5_0 where "
                 "rows are not a multiple of 256)", "reference_s": self.reference_s, "limit_s": self.limit_s,
                 "threads": self.threads, "cpu_s_per_weight": {t: v * self.threads for t, v in self.extra.items()}}
 
@@ -136,4 +137,4 @@ def quantize_time(units, speeds: dict[str, float], factor: float, threads: int |
     n = threads or os.cpu_count() or 1
     extra = {t: v / n for t, v in speeds.items()}
     ref = sum(u.n_elements * extra[reference_type(u)] for u in units)
-    return QuantizeTime(extra, ref, max(factor * ref, ref + QUANTIZE_SLACK_S), factor, n)
+    return QuantizeTime(extra, ref, max(factor * ref, ref + QUANTIZE_SLACK_S), factor, n, QUANTIZE_SLACK_S)
