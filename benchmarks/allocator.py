@@ -96,22 +96,29 @@ def speed_pair(alloc: Path, std: Path, kv: str = SPEED["kv"]) -> dict:
     return out
 
 
+def floor_key(fraction: float) -> str:
+    """A budget row's key for its floored arm: `floored` at the standard type's own speed, `floored@0.97` at a
+    fraction of it (`--floor-fraction`, a separate arm: the must-show asks decode >= 0.95x)."""
+    return "floored" if fraction == 1 else f"floored@{fraction:g}"
+
+
 def floored_arm(f32: Path, p: Path, budget: float, best: str, std: dict, model: Path, cache: Path,
-                extra: list) -> dict:
-    """The allocation at the same budget with `--decode-floor best` (one thread, as the speed pair runs), scored and
-    timed against the same standard file; a floor the budget cannot meet is recorded as such."""
+                extra: list, fraction: float = 1.0) -> dict:
+    """The allocation at the same budget with `--decode-floor best` (or FRACTION*best; one thread, as the speed pair
+    runs), scored and timed against the same standard file; a floor the budget cannot meet is recorded as such."""
     t0 = time.perf_counter()
+    floor = best if fraction == 1 else f"{fraction:g}*{best}"
     try:
-        cli("quantize", f32, "--target-bpw", budget, *extra, "--decode-floor", best, "--threads", SPEED["threads"],
+        cli("quantize", f32, "--target-bpw", budget, *extra, "--decode-floor", floor, "--threads", SPEED["threads"],
             "--out", p, env={"QUANTGATE_CACHE": str(cache)})
     except RuntimeError as e:
         if "decode floor out of reach" not in str(e) and "decode floor not met" not in str(e):
             raise
-        return {"floor": best, "unreachable": str(e).partition("error: ")[2].strip()}
+        return {"floor": best, "fraction": fraction, "unreachable": str(e).partition("error: ")[2].strip()}
     side = Path(str(p) + ".allocation.json")
     info = json.loads(side.read_text())
     ev = evaluate(p, model, cache)
-    out = {"floor": best, "seconds": round(time.perf_counter() - t0, 1), "bits_per_weight": info["bits_per_weight"],
+    out = {"floor": best, "fraction": fraction, "seconds": round(time.perf_counter() - t0, 1), "bits_per_weight": info["bits_per_weight"],
            "predicted_decode_tps": info["predicted_decode_tps"], "floor_tps": info["floor_tps"],
            "floor_checks": info.get("floor_checks"), "floor_recipe": info.get("floor_recipe"),
            "decode_cost_measured_tps": {k: 1 / v for k, v in info["decode_cost"]["measured_s"].items()},
@@ -124,7 +131,7 @@ def floored_arm(f32: Path, p: Path, budget: float, best: str, std: dict, model: 
 
 
 def run_twin(work: Path, name: str, model: Path, cache: Path, which: tuple = ("plain", "imatrix"),
-             floor: bool = True, floor_only: bool = False) -> dict:
+             floor: bool = True, floor_only: bool = False, fraction: float = 1.0) -> dict:
     f32 = work / f"{name}-F32.gguf"
     cli("export", "gguf", model, "--out", f32, "--outtype", "f32")
     calib = ["--calib-windows", CALIB["windows"], "--ctx", CALIB["ctx"]]
@@ -140,7 +147,7 @@ def run_twin(work: Path, name: str, model: Path, cache: Path, which: tuple = ("p
         rows = []
         for b in BUDGETS:
             if floor_only:
-                rows.append(floor_row(f32, work / f"{name}-auto{b}", b, std, model, cache, calib + imx, env))
+                rows.append(floor_row(f32, work / f"{name}-auto{b}", b, std, model, cache, calib + imx, env, fraction))
                 continue
             arms = {}
             for arm, extra in (("allocator", []), ("gates_held", ["--hold-gates"])):
@@ -171,13 +178,13 @@ def run_twin(work: Path, name: str, model: Path, cache: Path, which: tuple = ("p
                 row["allocator_vs_best_standard"] = paired_ratio(a["per_window"], std[best]["per_window"])
                 row["speed_vs_best_standard"] = speed_pair(a["path"], std[best]["path"])
                 if floor:
-                    row["floored"] = floored_arm(f32, work / f"{name}-auto{b}-floor.gguf", b, best, std[best],
-                                                 model, cache, calib + imx)
+                    row[floor_key(fraction)] = floored_arm(f32, work / f"{name}-auto{b}-floor.gguf", b, best,
+                                                           std[best], model, cache, calib + imx, fraction)
             rows.append(row)
             for d in arms.values():
                 d["path"].unlink()
                 Path(str(d["path"]) + ".allocation.json").unlink(missing_ok=True)
-            fl = row.get("floored", {})
+            fl = row.get(floor_key(fraction), {})
             print(json.dumps({"twin": name, "imatrix": im, "budget": b, "best_standard": best,
                               **({"ratio": row["allocator_vs_best_standard"],
                                   "decode": row["speed_vs_best_standard"]["decode"]["ratio_median"]} if best else {}),
@@ -196,7 +203,8 @@ def run_twin(work: Path, name: str, model: Path, cache: Path, which: tuple = ("p
     return {"twin": name, **variants}
 
 
-def floor_row(f32: Path, p: Path, budget: float, std: dict, model: Path, cache: Path, extra: list, env: dict) -> dict:
+def floor_row(f32: Path, p: Path, budget: float, std: dict, model: Path, cache: Path, extra: list, env: dict,
+              fraction: float = 1.0) -> dict:
     """`--floor-only`: a budget's floored arm alone. The free allocation is written only to find the best standard
     type at <= its size (the floor, as a full run picks it); it is neither scored nor timed."""
     try:
@@ -211,17 +219,18 @@ def floor_row(f32: Path, p: Path, budget: float, std: dict, model: Path, cache: 
     fits = [t for t in STANDARD if std[t]["bytes"] <= size]
     best = min(fits, key=lambda t: std[t]["kld_mean"]) if fits else None
     row = {"budget_bpw": budget, "best_standard": best, "free_bytes": size}
+    key = floor_key(fraction)
     if best:
-        row["floored"] = floored_arm(f32, p.with_name(p.name + "-floor.gguf"), budget, best, std[best], model, cache,
-                                     extra)
-    print(json.dumps({"floor_only": True, "budget": budget, "best_standard": best,
-                      **({k: row["floored"].get(k) for k in ("vs_best_standard", "unreachable")} if best else {}),
-                      **({"decode": row["floored"]["speed_vs_best_standard"]["decode"]["ratio_median"]}
-                         if best and "speed_vs_best_standard" in row["floored"] else {})}), flush=True)
+        row[key] = floored_arm(f32, p.with_name(p.name + "-floor.gguf"), budget, best, std[best], model, cache,
+                               extra, fraction)
+    print(json.dumps({"floor_only": True, "budget": budget, "best_standard": best, "fraction": fraction,
+                      **({k: row[key].get(k) for k in ("vs_best_standard", "unreachable")} if best else {}),
+                      **({"decode": row[key]["speed_vs_best_standard"]["decode"]["ratio_median"]}
+                         if best and "speed_vs_best_standard" in row[key] else {})}), flush=True)
     return row
 
 
-def merge_floors(old: dict, new: dict, variants: tuple) -> dict:
+def merge_floors(old: dict, new: dict, variants: tuple, key: str = "floored") -> dict:
     """`--floor-only`: this run's floored arms put into the arch's earlier rows, once the run shows it trained the
     same twins (each standard file the same size and KLD: training, llama.cpp's quantizer and the importance matrix
     are deterministic); each variant names the run that measured its floors. A floor type other than the row's best
@@ -237,14 +246,14 @@ def merge_floors(old: dict, new: dict, variants: tuple) -> dict:
             rows = {r["budget_bpw"]: r for r in tw_new[v]["budgets"]}
             for r in tw_old[v]["budgets"]:
                 n = rows.get(r["budget_bpw"])
-                if "floored" not in r or not n or "floored" not in n:
+                if "unreachable" in r or not r.get("best_standard") or not n or key not in n:
                     continue
-                r["floored"] = n["floored"]  # its own floor type: the best standard at <= this run's free file
+                r[key] = n[key]  # its own floor type: the best standard at <= this run's free file
                 if n["best_standard"] != r["best_standard"]:  # the free allocation's size moved across a type's
-                    r["floored"]["free_arm_best_standard_then"] = r["best_standard"]
+                    r[key]["free_arm_best_standard_then"] = r["best_standard"]
     runs = old.get("floor_runs", {})
     for v in variants:
-        runs[v] = {k: new[k] for k in ("command", "commit", "seconds", "machine")}
+        runs[v if key == "floored" else f"{v} {key}"] = {k: new[k] for k in ("command", "commit", "seconds", "machine")}
     return {**old, "floor_runs": runs}
 
 
@@ -309,14 +318,15 @@ def merge_variants(old: dict, new: dict, variants: tuple) -> dict:
     return {**old, "variant_runs": runs}
 
 
-def floor_run_words(entry: dict) -> str:
-    """Which run measured the floor rows, where `--floor-only` put them in after the rest."""
-    runs = entry.get("floor_runs")
+def floor_run_words(entry: dict, key: str = "floored") -> str:
+    """Which run measured the floor rows of `key`, where `--floor-only` put them in after the rest."""
+    runs = {v: r for v, r in entry.get("floor_runs", {}).items()
+            if (v.partition(" ")[2] or "floored") == key}  # "plain" or "plain floored@0.97"
     if not runs:
         return ""
     groups: dict = {}  # variants measured by one run are named together
     for v, r in runs.items():
-        groups.setdefault((r["command"], r["commit"], r["seconds"]), []).append(v)
+        groups.setdefault((r["command"], r["commit"], r["seconds"]), []).append(v.partition(" ")[0])
     return (" Floor rows of " + "; ".join(f"{' and '.join(vs)}: `{c}` at {h} ({sec / 60:.0f} min)"
                                           for (c, h, sec), vs in groups.items())
             + " (the twins trained again by the same recipe; every standard file's size and KLD equal the entry's).")
@@ -352,6 +362,49 @@ def compare_cells(r: dict) -> str:
             f"[{sp['prefill']['ratio_range'][0]:.2f}, {sp['prefill']['ratio_range'][1]:.2f}]")
 
 
+def floor_keys(entry: dict) -> list[str]:
+    """The floored arms an entry holds: `floored` first, then each fraction's (floor_key)."""
+    keys = {k for tw in entry["twins"] for var in ("plain", "imatrix") if var in tw for r in tw[var]["budgets"]
+            for k in r if k.startswith("floored")}
+    return sorted(keys, key=lambda k: (k != "floored", k))
+
+
+def floor_section(entry: dict, key: str) -> list[str]:
+    """The table of one floored arm (floor_key) with the words that say how it was measured."""
+    floored = [(tw, var, r) for tw in entry["twins"] for var in ("plain", "imatrix") if var in tw
+               for r in tw[var]["budgets"] if key in r]
+    frac = "" if key == "floored" else key.partition("@")[2] + "*"
+    lines = ["", f"With a decode floor (`--decode-floor {frac}TYPE --threads 1`, TYPE the best standard type at <= "
+             "the free allocation's size): the allocation predicted at least as fast as "
+             f"{'TYPE' if not frac else frac.rstrip('*') + 'x TYPE'} from per-type "
+             "decode timings, against the same standard file. Predicted tok/s is the allocator's model; "
+             "the measured ratio is the speed pair's (median per-round ratio [min, max]). Checked: the "
+             "written file's tok/s against the floor's, timed by quantize in alternated rounds (files "
+             "written; met unless measurably slower by a sign test over the rounds, from 09758ec on; none: a "
+             "run before the check, prediction only; TYPE's recipe: the floor type's own tensor types, written "
+             "where predicted to lose less than any allocation as fast, or where none was)."
+             + floor_run_words(entry, key), "",
+             "| twin | imatrix | budget | floor | bpw | KLD [95%] | alloc/standard KLD | decode alloc/std | "
+             "prefill alloc/std | predicted / floor tok/s | checked tok/s (files) | free arm's KLD ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for tw, var, r in floored:
+        f = r[key]
+        then = f" (free arm's: {f['free_arm_best_standard_then']})" if "free_arm_best_standard_then" in f else ""
+        head = f"| {tw['twin']} | {'yes' if var == 'imatrix' else 'no'} | {r['budget_bpw']} | {frac}{f['floor']}{then} |"
+        if "unreachable" in f:
+            lines.append(f"{head} unreachable: {f['unreachable']} |" + " |" * 7)
+            continue
+        c, sp, ci = f["vs_best_standard"], f["speed_vs_best_standard"], f["kld_mean_ci95"]
+        free = r["allocator_vs_best_standard"]
+        lines.append(f"{head} {f['bits_per_weight']:.3f} | {f['kld_mean']:.4g} [{ci[0]:.4g}, {ci[1]:.4g}] | "
+                     f"{c['ratio']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}] | "
+                     f"{sp['decode']['ratio_median']:.3f} [{sp['decode']['ratio_range'][0]:.2f}, "
+                     f"{sp['decode']['ratio_range'][1]:.2f}] | {sp['prefill']['ratio_median']:.3f} | "
+                     f"{f['predicted_decode_tps']:.0f} / {f['floor_tps']:.0f} | {checked_cell(f)} | "
+                     f"{free['ratio']:.3f} |")
+    return lines
+
+
 def write_tables(result: dict) -> None:
     lines = ["# Allocator vs llama.cpp's standard types, 3.5 to 6.5 bits per weight", ""]
     for arch, entry in result["archs"].items():
@@ -376,35 +429,8 @@ def write_tables(result: dict) -> None:
                                  f"{r['bits_per_weight']:.3f} | {a['kld_mean']:.4g} [{ci[0]:.4g}, {ci[1]:.4g}] | "
                                  f"{a['kld_p99']:.4g} [{p99[0]:.4g}, {p99[1]:.4g}] | "
                                  f"{cmp} | {h['ratio']:.3f} [{h['ci95'][0]:.3f}, {h['ci95'][1]:.3f}] |")
-        floored = [(tw, var, r) for tw in entry["twins"] for var in ("plain", "imatrix") if var in tw
-                   for r in tw[var]["budgets"] if "floored" in r]
-        if floored:
-            lines += ["", "With a decode floor (`--decode-floor TYPE --threads 1`, TYPE the best standard type at <= "
-                      "the free allocation's size): the allocation predicted at least as fast as TYPE from per-type "
-                      "decode timings, against the same standard file. Predicted tok/s is the allocator's model; "
-                      "the measured ratio is the speed pair's (median per-round ratio [min, max]). Checked: the "
-                      "written file's tok/s against the floor's, timed by quantize in alternated rounds (files "
-                      "written; met unless measurably slower by a sign test over the rounds, from 09758ec on; none: a "
-                      "run before the check, prediction only; TYPE's recipe: the floor type's own tensor types, written "
-                      "where predicted to lose less than any allocation as fast, or where none was)." + floor_run_words(entry), "",
-                      "| twin | imatrix | budget | floor | bpw | KLD [95%] | alloc/standard KLD | decode alloc/std | "
-                      "prefill alloc/std | predicted / floor tok/s | checked tok/s (files) | free arm's KLD ratio |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-            for tw, var, r in floored:
-                f = r["floored"]
-                then = f" (free arm's: {f['free_arm_best_standard_then']})" if "free_arm_best_standard_then" in f else ""
-                head = f"| {tw['twin']} | {'yes' if var == 'imatrix' else 'no'} | {r['budget_bpw']} | {f['floor']}{then} |"
-                if "unreachable" in f:
-                    lines.append(f"{head} unreachable: {f['unreachable']} |" + " |" * 7)
-                    continue
-                c, sp, ci = f["vs_best_standard"], f["speed_vs_best_standard"], f["kld_mean_ci95"]
-                free = r["allocator_vs_best_standard"]
-                lines.append(f"{head} {f['bits_per_weight']:.3f} | {f['kld_mean']:.4g} [{ci[0]:.4g}, {ci[1]:.4g}] | "
-                             f"{c['ratio']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}] | "
-                             f"{sp['decode']['ratio_median']:.3f} [{sp['decode']['ratio_range'][0]:.2f}, "
-                             f"{sp['decode']['ratio_range'][1]:.2f}] | {sp['prefill']['ratio_median']:.3f} | "
-                             f"{f['predicted_decode_tps']:.0f} / {f['floor_tps']:.0f} | {checked_cell(f)} | "
-                             f"{free['ratio']:.3f} |")
+        for key in floor_keys(entry):
+            lines += floor_section(entry, key)
         lines += ["", "llama.cpp's standard types on the same twins (bits per weight as llama.cpp counts them: tensor "
                   "bytes; the file adds its header; then mean KLD):", "",
                   "| twin | imatrix | " + " | ".join(STANDARD) + " |", "|---|---|" + "---|" * len(STANDARD)]
@@ -499,6 +525,10 @@ def main() -> None:
                     help="measure only the decode floor's arms (with the standard types they are compared with) and "
                          "put them into --arch's entry, which must hold --variants already; the twins are checked to "
                          "be the same ones (each standard file's size and KLD)")
+    ap.add_argument("--floor-fraction", type=float, default=1.0,
+                    help="the floored arm's floor as this fraction of the standard type's speed (`--decode-floor "
+                         "F*TYPE`); other than 1, a separate arm of its own rows (with --floor-only: put beside the "
+                         "entry's rows)")
     ap.add_argument("--tables-only", action="store_true", help="rewrite allocator.md and .png from the JSON")
     ap.add_argument("--merge", action="store_true", help="keep --arch's entry and add this run's --variants to it (e.g. "
                     "the imatrix rows of a pair measured plain before); each variant names the run that measured it")
@@ -518,14 +548,16 @@ def main() -> None:
         entry = {
             "command": f"python benchmarks/allocator.py --arch {args.arch} --steps {args.steps} --variants "
                        f"{args.variants}{' --no-floor' if args.no_floor else ''}{' --merge' if args.merge else ''}"
-                       f"{' --floor-only' if args.floor_only else ''}",
+                       f"{' --floor-only' if args.floor_only else ''}"
+                       f"{f' --floor-fraction {args.floor_fraction:g}' if args.floor_fraction != 1 else ''}",
             "speed": SPEED,
             **train_and_run(args.arch, args.steps, args.keep_run, "allocator",
                             lambda work, name, model, cache: run_twin(work, name, model, cache, variants,
-                                                                      not args.no_floor, args.floor_only))}
+                                                                      not args.no_floor, args.floor_only,
+                                                                      args.floor_fraction))}
         old = result["archs"].get(args.arch)
         if args.floor_only:
-            result["archs"][args.arch] = merge_floors(old, entry, variants)
+            result["archs"][args.arch] = merge_floors(old, entry, variants, floor_key(args.floor_fraction))
         else:
             result["archs"][args.arch] = merge_variants(old, entry, variants) if args.merge and old else entry
         path.write_text(json.dumps(result, indent=1) + "\n")
