@@ -27,8 +27,8 @@ import json
 import time
 from pathlib import Path
 
-from allocator import (CALIB, EVAL, RESULTS, SPEED, checked_cell, cli, compare_cells, paired_ratio, protocol_words,
-                       run_words, speed_pair, train_and_run)
+from allocator import (CALIB, EVAL, RESULTS, SPEED, checked_cell, cli, compare_cells, floor_key, floor_keys,
+                       floor_run_words, paired_ratio, protocol_words, run_words, speed_pair, train_and_run)
 from allocator_proxy import rank_agreement
 
 UNIFORM = {"int4/128": ("int4", 128), "int4/64": ("int4", 64), "int4/32": ("int4", 32),
@@ -48,7 +48,10 @@ def evaluate(d: Path, ref: Path, cache: Path) -> dict:
             "kld_p99_ci95": out.get("kld_p99_ci95"), "per_window": out["per_window"]["kld"], "bytes": folder_bytes(d)}
 
 
-def run_twin(work: Path, name: str, model: Path, cache: Path, floor: bool = True) -> dict:
+def run_twin(work: Path, name: str, model: Path, cache: Path, floor: bool = True, fraction: float = 1.0,
+             floors: dict | None = None) -> dict:
+    """One twin's rows; `floors` (`--floor-only`: budget -> the best uniform recipe the entry's free arm found) runs
+    only the floored arm against that recipe, at `fraction` of its speed."""
     import shutil
     fp32 = work / f"{name}-onnx"
     cli("export", "onnx", model, "--out", fp32)
@@ -64,6 +67,15 @@ def run_twin(work: Path, name: str, model: Path, cache: Path, floor: bool = True
     rows = []
     delta: dict = {}
     for b in BUDGETS:
+        if floors is not None:
+            best = floors.get(b)
+            rows.append({"budget_bpw": b, "best_standard": best, **({floor_key(fraction): floored_arm(
+                fp32, work / f"{name}-auto{b}-floor", b, best, std[best], model, cache, calib, fraction)}
+                if best else {})})
+            print(json.dumps({"twin": name, "budget": b, "floor_only": True, "fraction": fraction,
+                              **({k: rows[-1][floor_key(fraction)].get(k) for k in ("vs_best_standard", "unreachable")}
+                                 if best else {})}), flush=True)
+            continue
         arms = {}
         for arm, extra in (("allocator", []), ("gates_held", ["--hold-gates"]), ("proxy", ["--sensitivity", "proxy"])):
             d = work / f"{name}-auto{b}-{arm}"
@@ -90,8 +102,8 @@ def run_twin(work: Path, name: str, model: Path, cache: Path, floor: bool = True
                                                                                     std[p_best]["per_window"])}
             row["speed_vs_best_standard"] = speed_pair(a["path"], std[best]["path"], kv="f32")
             if floor:
-                row["floored"] = floored_arm(fp32, work / f"{name}-auto{b}-floor", b, best, std[best], model, cache,
-                                             calib)
+                row[floor_key(fraction)] = floored_arm(fp32, work / f"{name}-auto{b}-floor", b, best, std[best], model,
+                                                       cache, calib, fraction)
         rows.append(row)
         for d in arms.values():
             shutil.rmtree(d["path"])
@@ -102,6 +114,9 @@ def run_twin(work: Path, name: str, model: Path, cache: Path, floor: bool = True
     for d in std.values():
         shutil.rmtree(d["path"])
     shutil.rmtree(fp32)
+    if floors is not None:
+        return {"twin": name, "weights": weights, "budgets": rows,
+                "standard": {t: {k: v for k, v in d.items() if k not in ("path", "per_window")} for t, d in std.items()}}
     from quantgate.quant.allocate_onnx import BASE
     rank = {"all_options": rank_agreement(delta["allocator"], delta["proxy"], base=BASE),
             "int4/32": rank_agreement(delta["allocator"], delta["proxy"], ["int4/32"], base=BASE)}
@@ -110,20 +125,22 @@ def run_twin(work: Path, name: str, model: Path, cache: Path, floor: bool = True
             "budgets": rows}
 
 
-def floored_arm(fp32: Path, d: Path, budget: float, best: str, std: dict, model: Path, cache: Path, calib: list) -> dict:
-    """The allocation at the same budget with `--decode-floor best` (one thread, as the speed pair runs), scored and
-    timed against the same uniform recipe; a floor the budget cannot meet is recorded as such."""
+def floored_arm(fp32: Path, d: Path, budget: float, best: str, std: dict, model: Path, cache: Path, calib: list,
+                fraction: float = 1.0) -> dict:
+    """The allocation at the same budget with `--decode-floor best` (or FRACTION*best; one thread, as the speed pair
+    runs), scored and timed against the same uniform recipe; a floor the budget cannot meet is recorded as such."""
     import shutil
     t0 = time.perf_counter()
+    floor = best if fraction == 1 else f"{fraction:g}*{best}"
     try:
-        s = json.loads(cli("quantize", fp32, "--target-bpw", budget, *calib, "--decode-floor", best, "--threads",
+        s = json.loads(cli("quantize", fp32, "--target-bpw", budget, *calib, "--decode-floor", floor, "--threads",
                            SPEED["threads"], "--out", d, "--json", env={"QUANTGATE_CACHE": str(cache)}))
     except RuntimeError as e:
         if "decode floor out of reach" not in str(e) and "decode floor not met" not in str(e):
             raise
-        return {"floor": best, "unreachable": str(e).partition("error: ")[2].strip()}
+        return {"floor": best, "fraction": fraction, "unreachable": str(e).partition("error: ")[2].strip()}
     ev = evaluate(d, model, cache)
-    out = {"floor": best, "seconds": round(time.perf_counter() - t0, 1), "bits_per_weight": s["bits_per_weight"],
+    out = {"floor": best, "fraction": fraction, "seconds": round(time.perf_counter() - t0, 1), "bits_per_weight": s["bits_per_weight"],
            "predicted_decode_tps": s["predicted_decode_tps"], "floor_tps": s["floor_tps"],
            "floor_checks": s.get("floor_checks"), "floor_recipe": s.get("floor_recipe"), "types": s["types"],
            **{k: v for k, v in ev.items() if k != "per_window"},
@@ -137,6 +154,53 @@ def _weights(fp32: Path) -> int:
     """fp32 initializer elements: the bits-per-weight denominator the allocator's --target-bpw uses."""
     from quantgate.quant.allocate_onnx import units_of
     return units_of(fp32 / "model.onnx").total_elements
+
+
+def floor_section(e: dict, key: str) -> list[str]:
+    """The table of one floored arm (allocator.floor_key) with the words that say how it was measured."""
+    frac = "" if key == "floored" else key.partition("@")[2] + "*"
+    lines = ["", f"With a decode floor (`--decode-floor {frac}RECIPE --threads 1`, RECIPE the best uniform recipe no "
+             "larger than the free allocation): predicted at least as fast as "
+             f"{'RECIPE' if not frac else frac.rstrip('*') + 'x RECIPE'} from per-option decode "
+             "timings, against the same recipe's graph (measured ratio: median per-round [min, max]). "
+             "Checked: the written graph's tok/s against the floor's, timed by quantize in alternated rounds "
+             "(graphs written; none: a run before the check, prediction only)." + floor_run_words(e, key), "",
+             "| twin | budget | floor | bpw | KLD [95%] | alloc/uniform KLD | decode alloc/uniform | "
+             "predicted / floor tok/s | checked tok/s (graphs) | free arm's KLD ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for tw, r in [(tw, r) for tw in e["twins"] for r in tw["budgets"] if key in r]:
+        f = r[key]
+        head = f"| {tw['twin']} | {r['budget_bpw']} | {frac}{f['floor']} |"
+        if "unreachable" in f:
+            lines.append(f"{head} unreachable: {f['unreachable']} |" + " |" * 6)
+            continue
+        c, sp, ci = f["vs_best_standard"], f["speed_vs_best_standard"]["decode"], f["kld_mean_ci95"]
+        lines.append(f"{head} {f['bits_per_weight']:.3f} | {f['kld_mean']:.4g} [{ci[0]:.4g}, {ci[1]:.4g}] | "
+                     f"{c['ratio']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}] | {sp['ratio_median']:.3f} "
+                     f"[{sp['ratio_range'][0]:.2f}, {sp['ratio_range'][1]:.2f}] | "
+                     f"{f['predicted_decode_tps']:.0f} / {f['floor_tps']:.0f} | {checked_cell(f)} | "
+                     f"{r['allocator_vs_best_standard']['ratio']:.3f} |")
+    return lines
+
+
+def merge_floors(old: dict, new: dict, key: str) -> dict:
+    """`--floor-only`: this run's floored arms put into the arch's rows, once the run shows it trained the same twins
+    (each uniform recipe's graph the same size and KLD); the run is named beside the rows (floor_runs)."""
+    for tw_old, tw_new in zip(old["twins"], new["twins"]):
+        for t, cell in tw_old["standard"].items():
+            now = tw_new["standard"][t]
+            if now["bytes"] != cell["bytes"] or abs(now["kld_mean"] - cell["kld_mean"]) > 1e-6 * cell["kld_mean"]:
+                raise RuntimeError(f"{tw_old['twin']} {t}: {now['bytes']} bytes, KLD {now['kld_mean']} now; "
+                                   f"{cell['bytes']}, {cell['kld_mean']} in the entry: not the same twins")
+        rows = {r["budget_bpw"]: r for r in tw_new["budgets"]}
+        for r in tw_old["budgets"]:
+            n = rows.get(r["budget_bpw"])
+            if n and key in n:
+                r[key] = n[key]
+    runs = old.get("floor_runs", {})
+    runs["graphs" if key == "floored" else f"graphs {key}"] = {k: new[k] for k in ("command", "commit", "seconds",
+                                                                                  "machine")}
+    return {**old, "floor_runs": runs}
 
 
 def write_tables(result: dict) -> None:
@@ -160,28 +224,10 @@ def write_tables(result: dict) -> None:
                              f"({r['file_bits_per_weight']:.2f}) | {a['kld_mean']:.4g} "
                              f"[{ci[0]:.4g}, {ci[1]:.4g}] | {a['kld_p99']:.4g} [{p99[0]:.4g}, {p99[1]:.4g}] | {cmp} | "
                              f"{h['ratio']:.3f} [{h['ci95'][0]:.3f}, {h['ci95'][1]:.3f}] |")
-        floored = [(tw, r) for tw in e["twins"] for r in tw["budgets"] if "floored" in r]
-        if floored:
-            lines += ["", "With a decode floor (`--decode-floor RECIPE --threads 1`, RECIPE the best uniform recipe no "
-                      "larger than the free allocation): predicted at least as fast as RECIPE from per-option decode "
-                      "timings, against the same recipe's graph (measured ratio: median per-round [min, max]). "
-                      "Checked: the written graph's tok/s against the floor's, timed by quantize in alternated rounds "
-                      "(graphs written; none: a run before the check, prediction only).", "",
-                      "| twin | budget | floor | bpw | KLD [95%] | alloc/uniform KLD | decode alloc/uniform | "
-                      "predicted / floor tok/s | checked tok/s (graphs) | free arm's KLD ratio |",
-                      "|---|---|---|---|---|---|---|---|---|---|"]
-            for tw, r in floored:
-                f = r["floored"]
-                head = f"| {tw['twin']} | {r['budget_bpw']} | {f['floor']} |"
-                if "unreachable" in f:
-                    lines.append(f"{head} unreachable: {f['unreachable']} |" + " |" * 6)
-                    continue
-                c, sp, ci = f["vs_best_standard"], f["speed_vs_best_standard"]["decode"], f["kld_mean_ci95"]
-                lines.append(f"{head} {f['bits_per_weight']:.3f} | {f['kld_mean']:.4g} [{ci[0]:.4g}, {ci[1]:.4g}] | "
-                             f"{c['ratio']:.3f} [{c['ci95'][0]:.3f}, {c['ci95'][1]:.3f}] | {sp['ratio_median']:.3f} "
-                             f"[{sp['ratio_range'][0]:.2f}, {sp['ratio_range'][1]:.2f}] | "
-                             f"{f['predicted_decode_tps']:.0f} / {f['floor_tps']:.0f} | {checked_cell(f)} | "
-                             f"{r['allocator_vs_best_standard']['ratio']:.3f} |")
+        keys = sorted({k for tw in e["twins"] for r in tw["budgets"] for k in r if k.startswith("floored")},
+                      key=lambda k: (k != "floored", k))
+        for key in keys:
+            lines += floor_section(e, key)
         if any("proxy_rank_agreement" in tw for tw in e["twins"]):
             lines += ["", "The weight-error proxy (`--sensitivity proxy`: ORT's block quantizer on 256 sampled columns "
                       "per node, no calibration) against the measured sensitivity: Spearman's rho over (node, option) "
@@ -220,16 +266,33 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--keep-run", default=None, help="train the twins into this folder once and reuse them")
     ap.add_argument("--no-floor", action="store_true", help="skip the decode floor's arm")
+    ap.add_argument("--floor-fraction", type=float, default=1.0,
+                    help="the floored arm's floor as this fraction of the uniform recipe's speed (`--decode-floor "
+                         "F*RECIPE`); other than 1, a separate arm of its own rows")
+    ap.add_argument("--floor-only", action="store_true",
+                    help="measure only the floored arms, against the best uniform recipes --arch's entry found, and put "
+                         "them into that entry; the twins are checked to be the same (each recipe's size and KLD)")
     ap.add_argument("--tables-only", action="store_true")
     args = ap.parse_args()
     path = RESULTS / "allocator_onnx.json"
     result = json.loads(path.read_text()) if path.is_file() else {"archs": {}}
     if not args.tables_only:
-        result["archs"][args.arch] = {
+        old = result["archs"].get(args.arch)
+        if args.floor_only and not old:
+            raise SystemExit(f"--floor-only: no {args.arch} entry in {path} to take the best uniform recipes from")
+        bests = ({tw["twin"]: {r["budget_bpw"]: r["best_standard"] for r in tw["budgets"]} for tw in old["twins"]}
+                 if args.floor_only else {})
+        entry = {
             "command": f"python benchmarks/allocator_onnx.py --arch {args.arch} --steps {args.steps}"
-                       f"{' --no-floor' if args.no_floor else ''}", "speed": {**SPEED, "kv": "f32 (as exported)"},
+                       f"{' --no-floor' if args.no_floor else ''}{' --floor-only' if args.floor_only else ''}"
+                       f"{f' --floor-fraction {args.floor_fraction:g}' if args.floor_fraction != 1 else ''}",
+            "speed": {**SPEED, "kv": "f32 (as exported)"},
             **train_and_run(args.arch, args.steps, args.keep_run, "allocator-onnx",
-                            lambda work, name, model, cache: run_twin(work, name, model, cache, not args.no_floor))}
+                            lambda work, name, model, cache: run_twin(
+                                work, name, model, cache, not args.no_floor, args.floor_fraction,
+                                bests[name] if args.floor_only else None))}
+        result["archs"][args.arch] = (merge_floors(old, entry, floor_key(args.floor_fraction)) if args.floor_only
+                                      else entry)
         path.write_text(json.dumps(result, indent=1) + "\n")
     write_tables(result)
 
