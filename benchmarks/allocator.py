@@ -369,14 +369,21 @@ def floor_keys(entry: dict) -> list[str]:
     return sorted(keys, key=lambda k: (k != "floored", k))
 
 
+def fraction_words(key: str, name: str) -> tuple[str, str]:
+    """A floored arm's floor (floor_key) as `--decode-floor` spells it before NAME (`0.97*`) and in words
+    (`0.97x NAME`)."""
+    frac = key.partition("@")[2]
+    return (f"{frac}*", f"{frac}x {name}") if frac else ("", name)
+
+
 def floor_section(entry: dict, key: str) -> list[str]:
     """The table of one floored arm (floor_key) with the words that say how it was measured."""
     floored = [(tw, var, r) for tw in entry["twins"] for var in ("plain", "imatrix") if var in tw
                for r in tw[var]["budgets"] if key in r]
-    frac = "" if key == "floored" else key.partition("@")[2] + "*"
+    frac, speed = fraction_words(key, "TYPE")
     lines = ["", f"With a decode floor (`--decode-floor {frac}TYPE --threads 1`, TYPE the best standard type at <= "
              "the free allocation's size): the allocation predicted at least as fast as "
-             f"{'TYPE' if not frac else frac.rstrip('*') + 'x TYPE'} from per-type "
+             f"{speed} from per-type "
              "decode timings, against the same standard file. Predicted tok/s is the allocator's model; "
              "the measured ratio is the speed pair's (median per-round ratio [min, max]). Checked: the "
              "written file's tok/s against the floor's, timed by quantize in alternated rounds (files "

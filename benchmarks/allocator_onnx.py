@@ -27,8 +27,8 @@ import json
 import time
 from pathlib import Path
 
-from allocator import (CALIB, EVAL, RESULTS, SPEED, checked_cell, cli, compare_cells, floor_key, floor_keys,
-                       floor_run_words, paired_ratio, protocol_words, run_words, speed_pair, train_and_run)
+from allocator import (CALIB, EVAL, RESULTS, SPEED, checked_cell, cli, compare_cells, floor_key, floor_run_words,
+                       fraction_words, paired_ratio, protocol_words, run_words, speed_pair, train_and_run)
 from allocator_proxy import rank_agreement
 
 UNIFORM = {"int4/128": ("int4", 128), "int4/64": ("int4", 64), "int4/32": ("int4", 32),
@@ -158,10 +158,10 @@ def _weights(fp32: Path) -> int:
 
 def floor_section(e: dict, key: str) -> list[str]:
     """The table of one floored arm (allocator.floor_key) with the words that say how it was measured."""
-    frac = "" if key == "floored" else key.partition("@")[2] + "*"
+    frac, speed = fraction_words(key, "RECIPE")
     lines = ["", f"With a decode floor (`--decode-floor {frac}RECIPE --threads 1`, RECIPE the best uniform recipe no "
              "larger than the free allocation): predicted at least as fast as "
-             f"{'RECIPE' if not frac else frac.rstrip('*') + 'x RECIPE'} from per-option decode "
+             f"{speed} from per-option decode "
              "timings, against the same recipe's graph (measured ratio: median per-round [min, max]). "
              "Checked: the written graph's tok/s against the floor's, timed by quantize in alternated rounds "
              "(graphs written; none: a run before the check, prediction only)." + floor_run_words(e, key), "",
