@@ -131,7 +131,8 @@ def floored_arm(f32: Path, p: Path, budget: float, best: str, std: dict, model: 
 
 
 def run_twin(work: Path, name: str, model: Path, cache: Path, which: tuple = ("plain", "imatrix"),
-             floor: bool = True, floor_only: bool = False, fraction: float = 1.0) -> dict:
+             floor: bool = True, floor_only: bool = False, fraction: float = 1.0,
+             budgets: tuple = BUDGETS) -> dict:
     f32 = work / f"{name}-F32.gguf"
     cli("export", "gguf", model, "--out", f32, "--outtype", "f32")
     calib = ["--calib-windows", CALIB["windows"], "--ctx", CALIB["ctx"]]
@@ -145,7 +146,7 @@ def run_twin(work: Path, name: str, model: Path, cache: Path, which: tuple = ("p
             cli("quantize", f32, "--type", t, "--out", p, *imx, *(calib if im else []), env=env)
             std[t] = {"path": p, "tensor_bpw": tensor_bpw(p), **evaluate(p, model, cache)}
         rows = []
-        for b in BUDGETS:
+        for b in budgets:
             if floor_only:
                 rows.append(floor_row(f32, work / f"{name}-auto{b}", b, std, model, cache, calib + imx, env, fraction))
                 continue
@@ -521,6 +522,21 @@ def train_and_run(arch: str, steps: int, keep_run: str | None, name: str, run_tw
             "seconds": round(time.perf_counter() - t0, 1), "twins": twins}
 
 
+def parse_budgets(ap: argparse.ArgumentParser, text: str | None, floor_only: bool, allowed: tuple) -> tuple:
+    """`--budgets`: a subset of the script's budgets, for a `--floor-only` run (a full entry has every budget)."""
+    if text is None:
+        return allowed
+    if not floor_only:
+        ap.error("--budgets goes with --floor-only (a full run measures every budget)")
+    try:
+        chosen = tuple(float(b) for b in text.split(","))
+    except ValueError:
+        ap.error(f"--budgets {text}: not numbers")
+    if not chosen or any(b not in allowed for b in chosen):
+        ap.error(f"--budgets {text}: each one of {', '.join(map(str, allowed))}")
+    return chosen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", choices=sorted(RECIPES), default="attention")
@@ -536,6 +552,8 @@ def main() -> None:
                     help="the floored arm's floor as this fraction of the standard type's speed (`--decode-floor "
                          "F*TYPE`); other than 1, a separate arm of its own rows (with --floor-only: put beside the "
                          "entry's rows)")
+    ap.add_argument("--budgets", default=None, help="with --floor-only: these budgets alone (comma-separated, of "
+                    f"{', '.join(map(str, BUDGETS))}); the entry's other rows stay as they are")
     ap.add_argument("--tables-only", action="store_true", help="rewrite allocator.md and .png from the JSON")
     ap.add_argument("--merge", action="store_true", help="keep --arch's entry and add this run's --variants to it (e.g. "
                     "the imatrix rows of a pair measured plain before); each variant names the run that measured it")
@@ -543,6 +561,7 @@ def main() -> None:
                     help="with --keep-run: count the standard types' bits per weight as llama.cpp does (see "
                          "restate_standard_bpw) in --arch's entry, then rewrite the tables")
     args = ap.parse_args()
+    budgets = parse_budgets(ap, args.budgets, args.floor_only, BUDGETS)
     path = RESULTS / "allocator.json"
     result = json.loads(path.read_text()) if path.is_file() else {}
     if "archs" not in result:
@@ -556,12 +575,13 @@ def main() -> None:
             "command": f"python benchmarks/allocator.py --arch {args.arch} --steps {args.steps} --variants "
                        f"{args.variants}{' --no-floor' if args.no_floor else ''}{' --merge' if args.merge else ''}"
                        f"{' --floor-only' if args.floor_only else ''}"
-                       f"{f' --floor-fraction {args.floor_fraction:g}' if args.floor_fraction != 1 else ''}",
+                       f"{f' --floor-fraction {args.floor_fraction:g}' if args.floor_fraction != 1 else ''}"
+                       f"{f' --budgets {args.budgets}' if args.budgets else ''}",
             "speed": SPEED,
             **train_and_run(args.arch, args.steps, args.keep_run, "allocator",
                             lambda work, name, model, cache: run_twin(work, name, model, cache, variants,
                                                                       not args.no_floor, args.floor_only,
-                                                                      args.floor_fraction))}
+                                                                      args.floor_fraction, budgets))}
         old = result["archs"].get(args.arch)
         if args.floor_only:
             result["archs"][args.arch] = merge_floors(old, entry, variants, floor_key(args.floor_fraction))

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from allocator import (CALIB, EVAL, RESULTS, SPEED, checked_cell, cli, compare_cells, floor_key, floor_run_words,
-                       fraction_words, paired_ratio, protocol_words, run_words, speed_pair, train_and_run)
+                       fraction_words, paired_ratio, parse_budgets, protocol_words, run_words, speed_pair, train_and_run)
 from allocator_proxy import rank_agreement
 
 UNIFORM = {"int4/128": ("int4", 128), "int4/64": ("int4", 64), "int4/32": ("int4", 32),
@@ -49,7 +49,7 @@ def evaluate(d: Path, ref: Path, cache: Path) -> dict:
 
 
 def run_twin(work: Path, name: str, model: Path, cache: Path, floor: bool = True, fraction: float = 1.0,
-             floors: dict | None = None) -> dict:
+             floors: dict | None = None, budgets: tuple = BUDGETS) -> dict:
     """One twin's rows; `floors` (`--floor-only`: budget -> the best uniform recipe the entry's free arm found) runs
     only the floored arm against that recipe, at `fraction` of its speed."""
     import shutil
@@ -66,7 +66,7 @@ def run_twin(work: Path, name: str, model: Path, cache: Path, floor: bool = True
         std[label]["bits_per_weight"] = 8 * std[label]["bytes"] / weights
     rows = []
     delta: dict = {}
-    for b in BUDGETS:
+    for b in budgets:
         if floors is not None:
             best = floors.get(b)
             rows.append({"budget_bpw": b, "best_standard": best, **({floor_key(fraction): floored_arm(
@@ -272,8 +272,11 @@ def main() -> None:
     ap.add_argument("--floor-only", action="store_true",
                     help="measure only the floored arms, against the best uniform recipes --arch's entry found, and put "
                          "them into that entry; the twins are checked to be the same (each recipe's size and KLD)")
+    ap.add_argument("--budgets", default=None, help="with --floor-only: these budgets alone (comma-separated, of "
+                    f"{', '.join(map(str, BUDGETS))}); the entry's other rows stay as they are")
     ap.add_argument("--tables-only", action="store_true")
     args = ap.parse_args()
+    budgets = parse_budgets(ap, args.budgets, args.floor_only, BUDGETS)
     path = RESULTS / "allocator_onnx.json"
     result = json.loads(path.read_text()) if path.is_file() else {"archs": {}}
     if not args.tables_only:
@@ -285,12 +288,13 @@ def main() -> None:
         entry = {
             "command": f"python benchmarks/allocator_onnx.py --arch {args.arch} --steps {args.steps}"
                        f"{' --no-floor' if args.no_floor else ''}{' --floor-only' if args.floor_only else ''}"
-                       f"{f' --floor-fraction {args.floor_fraction:g}' if args.floor_fraction != 1 else ''}",
+                       f"{f' --floor-fraction {args.floor_fraction:g}' if args.floor_fraction != 1 else ''}"
+                       f"{f' --budgets {args.budgets}' if args.budgets else ''}",
             "speed": {**SPEED, "kv": "f32 (as exported)"},
             **train_and_run(args.arch, args.steps, args.keep_run, "allocator-onnx",
                             lambda work, name, model, cache: run_twin(
                                 work, name, model, cache, not args.no_floor, args.floor_fraction,
-                                bests[name] if args.floor_only else None))}
+                                bests[name] if args.floor_only else None, budgets))}
         result["archs"][args.arch] = (merge_floors(old, entry, floor_key(args.floor_fraction)) if args.floor_only
                                       else entry)
         path.write_text(json.dumps(result, indent=1) + "\n")
