@@ -22,6 +22,8 @@ fresh folder removed afterwards, each twin, without and with an importance matri
     python benchmarks/allocator.py --arch attention [--steps 300] [--keep-run DIR]
     python benchmarks/allocator.py --arch medium   # the larger pair: d=256, every row takes k-quants
     python benchmarks/allocator.py --arch hybrid
+    python benchmarks/allocator.py --arch medium --floor-only   # the floored arms again, into the entry
+    python benchmarks/allocator.py --arch attention --floor-only --floor-fraction 0.97   # an arm at 0.97*TYPE
 
 Each run replaces its arch's entry in benchmarks/results/allocator.json, then writes allocator.md and allocator.png
 from every entry there.

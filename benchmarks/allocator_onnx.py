@@ -17,6 +17,7 @@ benchmarks/allocator.py, the weights are not committed), in a fresh folder remov
    best uniform recipe, scored and timed against it; and the weight-error proxy's arm (`--sensitivity proxy`).
 
     python benchmarks/allocator_onnx.py --arch attention [--steps 300] [--keep-run DIR]
+    python benchmarks/allocator_onnx.py --arch attention --floor-only --floor-fraction 0.97 [--budgets 4.5,5]
 
 Each run replaces its arch's entry in benchmarks/results/allocator_onnx.json, then writes allocator_onnx.md.
 """
