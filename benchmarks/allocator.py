@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -256,7 +257,8 @@ def merge_floors(old: dict, new: dict, variants: tuple, key: str = "floored") ->
                     r[key]["free_arm_best_standard_then"] = r["best_standard"]
     runs = old.get("floor_runs", {})
     for v in variants:
-        runs[v if key == "floored" else f"{v} {key}"] = {k: new[k] for k in ("command", "commit", "seconds", "machine")}
+        add_floor_run(runs, v if key == "floored" else f"{v} {key}",
+                      {k: new[k] for k in ("command", "commit", "seconds", "machine")})
     return {**old, "floor_runs": runs}
 
 
@@ -321,16 +323,40 @@ def merge_variants(old: dict, new: dict, variants: tuple) -> dict:
     return {**old, "variant_runs": runs}
 
 
+def run_budgets(run: dict) -> set[float] | None:
+    """The budgets a floor run measured: those its `--budgets` named, or None (every budget)."""
+    m = re.search(r"--budgets (\S+)", run["command"])
+    return {float(b) for b in m.group(1).split(",")} if m else None
+
+
+def add_floor_run(runs: dict, name: str, run: dict) -> None:
+    """Name `run` as a measurer of arm `name`'s rows (floor_runs). A run over some budgets (`--budgets`) joins the
+    runs that measured the others; a run over every budget, or over all of an earlier run's, replaces that run."""
+    new = run_budgets(run)
+    before = runs.get(name, [])
+    before = before if isinstance(before, list) else [before]
+    kept = [r for r in before if new is not None and (run_budgets(r) is None or not run_budgets(r) <= new)]
+    runs[name] = kept + [run] if kept else run
+
+
 def floor_run_words(entry: dict, key: str = "floored") -> str:
-    """Which run measured the floor rows of `key`, where `--floor-only` put them in after the rest."""
-    runs = {v: r for v, r in entry.get("floor_runs", {}).items()
-            if (v.partition(" ")[2] or "floored") == key}  # "plain" or "plain floored@0.97"
-    if not runs:
-        return ""
+    """Which runs measured the floor rows of `key`, where `--floor-only` put them in after the rest; a run over some
+    budgets names them."""
     groups: dict = {}  # variants measured by one run are named together
-    for v, r in runs.items():
-        groups.setdefault((r["command"], r["commit"], r["seconds"]), []).append(v.partition(" ")[0])
-    return (" Floor rows of " + "; ".join(f"{' and '.join(vs)}: `{c}` at {h} ({sec / 60:.0f} min)"
+    for v, rs in entry.get("floor_runs", {}).items():
+        if (v.partition(" ")[2] or "floored") != key:  # "plain" or "plain floored@0.97"
+            continue
+        for r in rs if isinstance(rs, list) else [rs]:
+            groups.setdefault((r["command"], r["commit"], r["seconds"]), []).append(v.partition(" ")[0])
+    if not groups:
+        return ""
+    several = len(groups) > 1
+
+    def which(c: str) -> str:
+        b = run_budgets({"command": c})
+        return (f", budgets {', '.join(f'{x:g}' for x in sorted(b))}" if b else
+                ", the other budgets" if several else "")
+    return (" Floor rows of " + "; ".join(f"{' and '.join(vs)}: `{c}` at {h} ({sec / 60:.0f} min{which(c)})"
                                           for (c, h, sec), vs in groups.items())
             + " (the twins trained again by the same recipe; every standard file's size and KLD equal the entry's).")
 
@@ -415,6 +441,61 @@ def floor_section(entry: dict, key: str) -> list[str]:
     return lines
 
 
+KLD_GOAL, DECODE_GOAL = 0.85, 0.95  # issue 36's must-show: KLD <= 0.85x the type's (interval below 1), decode >= 0.95x
+
+
+def goal_verdict(kld: dict, decode: dict) -> str:
+    """`yes` where one file meets both goals of the must-show against its standard type (mean KLD ratio <= KLD_GOAL
+    with the 95% interval below 1; median per-round decode ratio >= DECODE_GOAL), else what it misses."""
+    miss = []
+    if kld["ratio"] > KLD_GOAL or kld["ci95"][1] >= 1:
+        miss.append(f"KLD {kld['ratio']:.3f}")
+    if decode["ratio_median"] < DECODE_GOAL:
+        miss.append(f"decode {decode['ratio_median']:.3f}")
+    return "yes" if not miss else "no: " + ", ".join(miss)
+
+
+def arm_verdict(r: dict, key: str | None) -> str | None:
+    """A budget row's verdict for its free arm (`key` None) or a floored arm (floor_key); None: not measured."""
+    if key is None:
+        return goal_verdict(r["allocator_vs_best_standard"], r["speed_vs_best_standard"]["decode"])
+    f = r.get(key)
+    if f is None:
+        return None
+    if "unreachable" in f:
+        return "no: floor unreachable"
+    if f.get("floor_recipe"):
+        return f"no: {f['floor_recipe']}'s recipe"
+    return goal_verdict(f["vs_best_standard"], f["speed_vs_best_standard"]["decode"])
+
+
+def goals_section(rows: list[tuple[list, dict]], heads: list[str], keys: list[str], standard: str,
+                  goals: str = "The must-show's two goals") -> list[str]:
+    """The must-show's two goals per budget row and arm, and how many rows have a file that meets both. `rows`: the
+    leading cells (`heads`) and the row, for rows with a standard type no larger; `keys`: the floored arms; `goals`:
+    the words that open the section."""
+    arms = [None, *keys]
+    names = ["free"] + [f"floor {k.partition('@')[2] or '1'}x" for k in keys]
+    lines = ["", f"{goals} in one file: mean KLD <= {KLD_GOAL}x the best {standard}'s at <= its size "
+             f"with the 95% interval below 1, and decode >= {DECODE_GOAL}x that {standard}'s (median per-round ratio "
+             "of the speed pair), per arm (free: no floor; - : that arm not measured at that budget).", "",
+             "| " + " | ".join(heads) + f" | {standard} | " + " | ".join(names) + " | any arm |",
+             "|---" * (len(heads) + len(names) + 2) + "|"]
+    met = {n: [0, 0] for n in names}
+    anywhere = 0
+    for lead, r in rows:
+        cells = [arm_verdict(r, k) for k in arms]
+        for n, c in zip(names, cells):
+            met[n][0] += c == "yes"
+            met[n][1] += c is not None
+        anywhere += "yes" in cells
+        lines.append("| " + " | ".join(map(str, lead)) + f" | {r['best_standard']} | "
+                     + " | ".join(c or "-" for c in cells) + f" | {'yes' if 'yes' in cells else 'no'} |")
+    lines += ["", f"Rows with a file meeting both: {anywhere} of {len(rows)} ("
+              + ", ".join(f"{n} {a} of {b}" for n, (a, b) in met.items()) + ")."]
+    return lines
+
+
 def write_tables(result: dict) -> None:
     lines = ["# Allocator vs llama.cpp's standard types, 3.5 to 6.5 bits per weight", ""]
     for arch, entry in result["archs"].items():
@@ -441,6 +522,10 @@ def write_tables(result: dict) -> None:
                                  f"{cmp} | {h['ratio']:.3f} [{h['ci95'][0]:.3f}, {h['ci95'][1]:.3f}] |")
         for key in floor_keys(entry):
             lines += floor_section(entry, key)
+        lines += goals_section([([tw["twin"], "yes" if var == "imatrix" else "no", r["budget_bpw"]], r)
+                                for tw in entry["twins"] for var in ("plain", "imatrix") if var in tw
+                                for r in tw[var]["budgets"] if r.get("best_standard")],
+                               ["twin", "imatrix", "budget"], floor_keys(entry), "standard type")
         lines += ["", "llama.cpp's standard types on the same twins (bits per weight as llama.cpp counts them: tensor "
                   "bytes; the file adds its header; then mean KLD):", "",
                   "| twin | imatrix | " + " | ".join(STANDARD) + " |", "|---|---|" + "---|" * len(STANDARD)]

@@ -28,8 +28,9 @@ import json
 import time
 from pathlib import Path
 
-from allocator import (CALIB, EVAL, RESULTS, SPEED, checked_cell, cli, compare_cells, floor_key, floor_run_words,
-                       fraction_words, paired_ratio, parse_budgets, protocol_words, run_words, speed_pair, train_and_run)
+from allocator import (CALIB, EVAL, RESULTS, SPEED, add_floor_run, checked_cell, cli, compare_cells, floor_key,
+                       floor_run_words, fraction_words, goals_section, paired_ratio, parse_budgets, protocol_words,
+                       run_words, speed_pair, train_and_run)
 from allocator_proxy import rank_agreement
 
 UNIFORM = {"int4/128": ("int4", 128), "int4/64": ("int4", 64), "int4/32": ("int4", 32),
@@ -199,8 +200,8 @@ def merge_floors(old: dict, new: dict, key: str) -> dict:
             if n and key in n:
                 r[key] = n[key]
     runs = old.get("floor_runs", {})
-    runs["graphs" if key == "floored" else f"graphs {key}"] = {k: new[k] for k in ("command", "commit", "seconds",
-                                                                                  "machine")}
+    add_floor_run(runs, "graphs" if key == "floored" else f"graphs {key}",
+                  {k: new[k] for k in ("command", "commit", "seconds", "machine")})
     return {**old, "floor_runs": runs}
 
 
@@ -229,6 +230,9 @@ def write_tables(result: dict) -> None:
                       key=lambda k: (k != "floored", k))
         for key in keys:
             lines += floor_section(e, key)
+        lines += goals_section([([tw["twin"], r["budget_bpw"]], r) for tw in e["twins"] for r in tw["budgets"]
+                                if r.get("best_standard")], ["twin", "budget"], keys, "uniform recipe",
+                               "Issue 36's two goals (set against llama.cpp's types, held here against ORT's recipes)")
         if any("proxy_rank_agreement" in tw for tw in e["twins"]):
             lines += ["", "The weight-error proxy (`--sensitivity proxy`: ORT's block quantizer on 256 sampled columns "
                       "per node, no calibration) against the measured sensitivity: Spearman's rho over (node, option) "
