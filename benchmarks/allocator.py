@@ -26,7 +26,9 @@ fresh folder removed afterwards, each twin, without and with an importance matri
     python benchmarks/allocator.py --arch attention --floor-only --floor-fraction 0.97   # an arm at 0.97*TYPE
 
 Each run replaces its arch's entry in benchmarks/results/allocator.json, then writes allocator.md and allocator.png
-from every entry there.
+from every entry there. Each model's tables end with the goals table (goals_section): per budget and arm, whether
+one file meets both goals of the issue's must-show (KLD <= 0.85x, decode >= 0.95x the standard type's), or what it
+misses.
 """
 from __future__ import annotations
 
