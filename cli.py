@@ -386,13 +386,17 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
                    "ssm_beta, ssm_out; ONNX: the fused q|gate MatMul and in_proj_z; torch: g_proj and a Gated "
                    "DeltaNet's in_proj_z, in_proj_a, in_proj_b, out_proj) take the allocation's base type instead of "
                    "what their measured KLD earns (the A/B that shows whether protecting the gates pays)")
-@click.option("--sensitivity", type=click.Choice(["auto", "measured", "proxy"]), default="auto", show_default=True,
+@click.option("--sensitivity", type=click.Choice(["auto", "measured", "calibrated", "gradient", "proxy"]),
+              default="auto", show_default=True,
               help="with --target-bpw/--target-size: measured (each tensor's KLD at each type: one quantization and "
-                   "run per tensor and type), proxy (each tensor's importance-weighted weight error at each type, "
-                   "from ggml's own quantizers on sampled rows; for ONNX, each node's weight error from ORT's block "
-                   "quantizer: minutes at 9B, but a weak stand-in: its GGUF files carried 2-3x the KLD of measured "
-                   "ones on the benchmark pair; for torch, each Linear's squared rounding error), auto (measured up "
-                   "to 100M weights)")
+                   "run per tensor and type); gradient (GGUF: each tensor's KLD at each type predicted from the "
+                   "diagonal Fisher of the model's own outputs on the calibration windows, times ggml's own weight "
+                   "error: one forward and backward pass, streamed block by block); calibrated (GGUF: the gradient's "
+                   "curve scaled to each tensor's KLD measured at one type, the one nearest the budget); proxy (each "
+                   "tensor's importance-weighted weight error from ggml's own quantizers on sampled rows; for ONNX, "
+                   "each node's weight error from ORT's block quantizer; for torch, each Linear's squared rounding "
+                   "error: minutes at 9B, but a weak stand-in); auto (the best one whose predicted time fits "
+                   "--sensitivity-time)")
 @click.option("--decode-floor", default=None, metavar="SPEED",
               help="with --target-bpw/--target-size: the file must decode at least this fast, predicted from each "
                    "type's decode time measured here with --threads: tok/s (40), a llama.cpp type (Q4_K_M: as fast "

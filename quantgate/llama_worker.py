@@ -192,7 +192,9 @@ def proxy_main(request_file: str, out_file: str) -> int:
     """Each unit's importance-weighted squared weight error at each type, from sampled rows quantized and dequantized
     by ggml's own row functions (ggml_quantize_chunk, dequantize_row_*: the code llama.cpp's quantizer runs, so
     the error is the file's), scaled to the whole tensor; the sampled rows' squared norm, likewise scaled; and the CPU
-    seconds each type's quantizer took on the sampled rows (what the allocator's quantize-time limit predicts from)."""
+    seconds each type's quantizer took on the sampled rows (what the allocator's quantize-time limit predicts from).
+    With the gradient sensitivity's weights (quant.gradient), each element's squared error is weighted by its Fisher
+    diagonal on the rows that sensitivity chose, instead of by imp on rows drawn here."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from gguf import GGUFReader
     from llama_cpp._ggml import libggml as lib
@@ -202,6 +204,9 @@ def proxy_main(request_file: str, out_file: str) -> int:
     lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     im = dict(np.load(req["imatrix"])) if req.get("imatrix") else {}
+    # the gradient sensitivity's rows: per unit j, the rows to quantize (r{j}), each element's weight (w{j}: the
+    # Fisher diagonal) and each row's factor to the whole tensor (s{j}), in place of sampled rows weighted by imp
+    fisher = np.load(req["weights"]) if req.get("weights") else None
     tensors = {t.name: t for t in GGUFReader(req["src"]).tensors}
     rng = np.random.default_rng(req["seed"])
     picks = []  # drawn in order first, so the rows sampled do not depend on the threads
@@ -209,17 +214,25 @@ def proxy_main(request_file: str, out_file: str) -> int:
         n = int(np.prod([int(d) for d in tensors[name].shape])) // int(tensors[name].shape[0])
         picks.append(np.sort(rng.choice(n, size=min(req["rows"], n), replace=False)))
 
-    def one(name: str, types: dict, pick: np.ndarray) -> dict:
+    def one(j: int, name: str, types: dict, pick: np.ndarray) -> dict:
         t = tensors[name]
         row = int(t.shape[0])
-        w = _float_rows(t, row)
-        x = np.ascontiguousarray(w[pick], dtype=np.float32)
-        scale = len(w) / len(x)
+        w = float_rows(t, row)
         imp = np.ones(row, dtype=np.float32)
         if name in im and im[name].size % row == 0:
             imp = im[name].reshape(-1, row).mean(0).astype(np.float32)  # a MoE's experts: their mean
+        if fisher is not None:
+            pick = fisher[f"r{j}"]
+            weight = fisher[f"w{j}"].astype(np.float32)
+            scale = fisher[f"s{j}"].astype(np.float64)[:, None]
+        else:
+            weight, scale = imp[None, :], np.full((len(pick), 1), len(w) / max(len(pick), 1))
+        x = np.ascontiguousarray(w[pick], dtype=np.float32).reshape(len(pick), row)
         errs, secs = {}, {}
         for tname, (gtype, block, size) in types.items():
+            if not len(x):  # no row carries weight (a tensor the output does not depend on): no error to weigh
+                errs[tname], secs[tname] = 0.0, 0.0
+                continue
             dst = np.zeros(x.size // block * size, dtype=np.uint8)
             t0 = time.thread_time()  # this thread's CPU seconds: the quantizer's cost, whatever else runs beside it
             lib.ggml_quantize_chunk(gtype, x.ctypes.data, dst.ctypes.data, 0, len(x), row,
@@ -229,22 +242,23 @@ def proxy_main(request_file: str, out_file: str) -> int:
             deq.restype, deq.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
             y = np.zeros_like(x)
             deq(dst.ctypes.data, y.ctypes.data, x.size)
-            errs[tname] = float((((x - y) ** 2) * imp).sum() * scale)
-        return {"err": errs, "sq": float(((x ** 2) * imp).sum() * scale), "rows": int(len(w)), "sampled": int(len(x)),
-                "row": row, "quantize_s": secs}
+            errs[tname] = float((((x - y) ** 2) * weight * scale).sum())
+        return {"err": errs, "sq": float(((x ** 2) * weight * scale).sum()), "rows": int(len(w)),
+                "sampled": int(len(x)), "row": row, "quantize_s": secs}
 
     # ctypes lets go of the GIL inside ggml's quantizers, so tensors run in parallel on the cores llama.cpp's own
     # quantizer would use (a third of a 9B allocation's time was this loop on one core)
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(max_workers=max(1, int(req.get("threads") or os.cpu_count() or 1))) as pool:
-        done = list(pool.map(lambda a: one(*a), [(n, ty, pk) for (n, ty), pk in zip(req["units"], picks)]))
+        done = list(pool.map(lambda a: one(*a), [(j, n, ty, pk) for j, ((n, ty), pk) in
+                                                   enumerate(zip(req["units"], picks))]))
     out = {name: d for (name, _t), d in zip(req["units"], done)}
     Path(out_file).write_text(json.dumps(out))
     print(f"{PEAK_PREFIX} {_peak_bytes()}")
     return 0
 
 
-def _float_rows(t, row: int) -> np.ndarray:
+def float_rows(t, row: int) -> np.ndarray:
     """A float tensor's rows (ggml's ne[0] each) as a float32-convertible view: F32, F16, or BF16 widened."""
     data = np.asarray(t.data)
     kind = t.tensor_type.name

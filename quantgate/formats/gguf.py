@@ -474,6 +474,34 @@ def gguf_config(info: GGUFInfo, names: set[str], tok: Tokenizer) -> ModelConfig:
         raise QuantgateError(f"{info.path}: {e}") from None
 
 
+def global_state(cfg: ModelConfig, names: set[str], read) -> dict[str, torch.Tensor]:
+    """Our embedding, final norm and head from `read(GGUF name) -> fp32 torch tensor`."""
+    return {ours: read(theirs) for ours, theirs in GLOBAL_TENSORS.items() if theirs in names}
+
+
+def layer_state(cfg: ModelConfig, arch: str, names: set[str], read, i: int) -> dict[str, torch.Tensor]:
+    """Our parameters of layer i from `read(GGUF name) -> fp32 torch tensor`: the inverse of the exporter, in torch
+    operations only (indexing, views, a division), so a gradient flows back to the tensors `read` returned:
+    quant.gradient differentiates the GGUF's own tensors through it."""
+    row = GGUF_ARCHS[arch]
+    linear = cfg.layer_type(i) == "linear_attention"
+    table = dict(BLOCK_TENSORS if linear else LAYER_TENSORS, **{"post_attention_layernorm.weight": row.post_attention_norm})
+    sd = {f"layers.{i}.{ours}": read(f"blk.{i}.{theirs}") for ours, theirs in table.items()
+          if f"blk.{i}.{theirs}" in names}
+    if cfg.is_moe:
+        sd.update(moe_from_gguf(cfg, read, i))
+    if linear:
+        sd.update(gdn_from_gguf(cfg, read, i))
+        return sd
+    q, g = row.split_q(read(f"blk.{i}.{Q_TENSOR}"), cfg)
+    if g is not None and cfg.gate != "none":
+        sd[f"layers.{i}.self_attn.g_proj.weight"] = g.contiguous()
+    elif g is not None:  # a hybrid baseline: zero gate rows, attn_output doubled
+        sd[f"layers.{i}.self_attn.o_proj.weight"] = sd[f"layers.{i}.self_attn.o_proj.weight"] / 2
+    sd[f"layers.{i}.self_attn.q_proj.weight"] = q.contiguous()
+    return sd
+
+
 def load_gguf_model(path: str | Path):
     """Our PyTorch Model from a GGUF, every tensor dequantized to fp32 (the inverse of the exporter).
 
@@ -490,29 +518,10 @@ def load_gguf_model(path: str | Path):
     check_fits_in_memory(cfg, str(path))
     with torch.device("meta"):  # the tensors read below are assigned to it: the weights are held once
         model = Model(cfg)
-    sd = {}
-    for ours, theirs in GLOBAL_TENSORS.items():
-        if theirs in names:
-            sd[ours] = read_tensor(reader, theirs)
-    row = GGUF_ARCHS[arch]
-    layer_names = dict(LAYER_TENSORS, **{"post_attention_layernorm.weight": row.post_attention_norm})
-    block_names = dict(BLOCK_TENSORS, **{"post_attention_layernorm.weight": row.post_attention_norm})
+    read = lambda n: torch.from_numpy(read_tensor(reader, n))  # noqa: E731
+    sd = global_state(cfg, names, read)
     for i in range(cfg.n_layers):
-        linear = cfg.layer_type(i) == "linear_attention"
-        for ours, theirs in (block_names if linear else layer_names).items():
-            if f"blk.{i}.{theirs}" in names:
-                sd[f"layers.{i}.{ours}"] = read_tensor(reader, f"blk.{i}.{theirs}")
-        if cfg.is_moe:
-            sd.update(moe_from_gguf(cfg, lambda n: torch.from_numpy(read_tensor(reader, n)), i))
-        if linear:
-            sd.update(gdn_from_gguf(cfg, lambda n: torch.from_numpy(read_tensor(reader, n)), i))
-            continue
-        q, g = row.split_q(torch.from_numpy(read_tensor(reader, f"blk.{i}.{Q_TENSOR}")), cfg)
-        if g is not None and cfg.gate != "none":
-            sd[f"layers.{i}.self_attn.g_proj.weight"] = g.contiguous()
-        elif g is not None:  # a hybrid baseline: zero gate rows, attn_output doubled
-            sd[f"layers.{i}.self_attn.o_proj.weight"] = torch.as_tensor(sd[f"layers.{i}.self_attn.o_proj.weight"]) / 2
-        sd[f"layers.{i}.self_attn.q_proj.weight"] = q.contiguous()
+        sd.update(layer_state(cfg, arch, names, read, i))
     expected = model.state_dict()
     for k, v in sd.items():
         t = torch.as_tensor(v)

@@ -55,6 +55,7 @@ from ..reference import cache_dir
 from ..runners.open import fixed_ctx, open_runner
 from .decode_cost import DecodeCost, floor_check, floor_missed, measure_decode_cost
 from .llama_cpp import exact_overrides as overrides, importance_matrix, run_quantizer
+from .gradient import ROWS as GRADIENT_ROWS, fisher_rows
 from .proxy import (QUANTIZE_TIME, ROWS, QuantizeTime, proxy_deltas, quantize_speeds, quantize_time,
                     weight_errors)
 from .targets import DecodeFloor
@@ -146,14 +147,27 @@ class Sensitivity:
     data: str
     kind: str = "measured"
     base: str = BASE  # the type every other unit holds (an ONNX allocation's: quant.allocate_onnx.BASE)
-    quantize_s: dict[str, float] | None = None  # the proxy's: each type's quantizer CPU seconds per weight
+    quantize_s: dict[str, float] | None = None  # the proxy's and gradient's: each type's quantizer CPU s per weight
+    probe: dict[str, list] | None = None  # the calibrated kind's: per unit, [the type measured, its measured delta]
+
+    @property
+    def in_kld(self) -> bool:
+        """Whether the deltas are KLD (measured, or predicted in its units), not the proxy's own unit."""
+        return self.kind != "proxy"
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "base_type": self.base, "base_kld": self.base_kld, "delta": self.delta,
                 "windows": self.windows, "ctx": self.ctx, "data": self.data,
-                **({"quantize_cpu_s_per_weight": self.quantize_s} if self.quantize_s else {})}
+                **({"quantize_cpu_s_per_weight": self.quantize_s} if self.quantize_s else {}),
+                **({"probe": self.probe} if self.probe else {})}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Sensitivity":
+        return cls(d["base_kld"], d["delta"], d["windows"], d["ctx"], d["data"], d.get("kind", "measured"),
+                   d.get("base_type", BASE), d.get("quantize_cpu_s_per_weight"), d.get("probe"))
 
 
+SENSITIVITIES = ("auto", "measured", "calibrated", "gradient", "proxy")
 PROXY_ABOVE = 100_000_000  # weights: --sensitivity auto measures below, takes the proxy above (hours to measure)
 
 
@@ -168,6 +182,42 @@ def proxy_sensitivity(src: Path, units: list[Unit], im: dict | None = None, rows
                        quantize_s=quantize_speeds(errors))
 
 
+def _windows(src: Path, calib_data: str, n_windows: int, ctx: int, seed: int) -> np.ndarray:
+    check_ctx(ctx, inspect_gguf(src).context_length, src)
+    return calibration_windows(tokenizer_from_gguf(open_reader(src)), calib_data, n_windows, ctx, seed)
+
+
+class _Probes:
+    """KLD of files written by llama.cpp's quantizer with given per-tensor types, against the source's own logits on
+    the calibration windows: one quantization and one scored run per assignment (the measured sensitivity's unit of
+    work, and the calibrated one's)."""
+
+    def __init__(self, src: Path, windows: np.ndarray, threads: int | None, work: Path | None, im: dict | None):
+        self.src, self.windows, self.threads, self.im = src, windows, threads, im
+        self.ref = _logits(src, windows, threads)
+        self.work = Path(work or cache_dir())
+        self.work.mkdir(parents=True, exist_ok=True)
+
+    def kld(self, assign: dict[str, str]) -> tuple[float, dict[str, str]]:
+        fd, name = tempfile.mkstemp(prefix=".quantgate-sens-", suffix=GGUF_SUFFIX, dir=self.work)  # no one else's
+        os.close(fd)
+        tmp = Path(name)
+        try:
+            written = run_quantizer(self.src, tmp, BASE, overrides(assign), self.im, threads=self.threads)
+            lg = _logits(tmp, self.windows, self.threads)
+        finally:
+            tmp.unlink(missing_ok=True)
+        w = self.windows
+        return (float(np.mean([window_scores(self.ref[i], lg[i], w[i])["kld"].mean() for i in range(len(w))])),
+                written.tensor_types)
+
+    def base(self, units: list[Unit]) -> tuple[float, list[Unit]]:
+        """The base file's KLD (every unit at BASE) and the units llama.cpp did quantize there (what it leaves in
+        float is no unit)."""
+        base_kld, types = self.kld({u.name: BASE for u in units})
+        return base_kld, [u for u in units if types.get(u.name) == BASE]
+
+
 def measure_sensitivity(src: str | Path, units: list[Unit], calib_data: str = "embedded", n_windows: int = 8,
                         ctx: int = 128, seed: int = 0, threads: int | None = None,
                         work: Path | None = None, im: dict | None = None) -> Sensitivity:
@@ -175,47 +225,79 @@ def measure_sensitivity(src: str | Path, units: list[Unit], calib_data: str = "e
     docstring), cached by content. `im`: the importance matrix every quantization takes (the file will be written
     with it, so its sensitivity is measured with it)."""
     src = Path(src)
-    tok = tokenizer_from_gguf(open_reader(src))
-    check_ctx(ctx, inspect_gguf(src).context_length, src)
-    windows = calibration_windows(tok, calib_data, n_windows, ctx, seed)
+    windows = _windows(src, calib_data, n_windows, ctx, seed)
     cached = sensitivity_cache(src, units, windows, im)
     if cached.is_file():
-        d = json.loads(cached.read_text())
-        return Sensitivity(d["base_kld"], d["delta"], d["windows"], d["ctx"], d["data"])
-    ref = _logits(src, windows, threads)
-    base = {u.name: BASE for u in units}
-    work = Path(work or cache_dir())
-    work.mkdir(parents=True, exist_ok=True)
-
-    def kld(assign: dict[str, str]) -> tuple[float, dict[str, str]]:
-        fd, name = tempfile.mkstemp(prefix=".quantgate-sens-", suffix=GGUF_SUFFIX, dir=work)  # a name no one else has
-        os.close(fd)
-        tmp = Path(name)
-        try:
-            written = run_quantizer(src, tmp, BASE, overrides(assign), im, threads=threads)
-            lg = _logits(tmp, windows, threads)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return (float(np.mean([window_scores(ref[i], lg[i], windows[i])["kld"].mean() for i in range(len(windows))])),
-                written.tensor_types)
-
-    base_kld, types = kld(base)
-    units = [u for u in units if types.get(u.name) == BASE]  # what llama.cpp leaves in float is no unit
+        return Sensitivity.from_dict(json.loads(cached.read_text()))
+    probes = _Probes(src, windows, threads, work, im)
+    base_kld, units = probes.base(units)
     base = {u.name: BASE for u in units}
     runs = [(u, t) for u in units for t in u.candidates() if t != BASE]
     delta: dict[str, dict[str, float]] = {u.name: {BASE: 0.0} for u in units}
     for u, t in track(runs, "sensitivity: one unit at a time", total=len(runs)):
-        delta[u.name][t] = kld({**base, u.name: t})[0] - base_kld
+        delta[u.name][t] = probes.kld({**base, u.name: t})[0] - base_kld
     sens = Sensitivity(base_kld, delta, len(windows), ctx, calib_data)
     write_json(cached, sens.to_dict())
     return sens
 
 
-def sensitivity_cache(src: Path, units: list[Unit], windows: np.ndarray, im: dict | None) -> Path:
+def gradient_sensitivity(src: str | Path, units: list[Unit], calib_data: str = "embedded", n_windows: int = 8,
+                         ctx: int = 128, seed: int = 0, threads: int | None = None,
+                         im: dict | None = None) -> Sensitivity:
+    """Each unit's KLD increase at each type predicted from the Fisher diagonal (quant.gradient): 1/(2P) times its
+    Fisher-weighted squared weight error from ggml's own quantizers, over the same at BASE; the base KLD is the
+    prediction for every unit at BASE. Cached by content (the file, the windows, the units, the importance matrix,
+    the code)."""
+    src = Path(src)
+    windows = _windows(src, calib_data, n_windows, ctx, seed)
+    cached = sensitivity_cache(src, units, windows, im, ("gradient", GRADIENT_ROWS, seed))
+    if cached.is_file():
+        return Sensitivity.from_dict(json.loads(cached.read_text()))
+    fr = fisher_rows(src, units, windows, seed, GRADIENT_ROWS, threads)
+    errors = weight_errors(src, units, im, seed=seed, threads=threads, weights=fr.by_unit)
+    c = 0.5 / fr.positions
+    pred = {n: {t: c * v for t, v in e["err"].items()} for n, e in errors.items()}
+    sens = Sensitivity(float(sum(p[BASE] for p in pred.values())),
+                       {n: {t: v - p[BASE] for t, v in p.items()} for n, p in pred.items()},
+                       len(windows), ctx, calib_data, "gradient", quantize_s=quantize_speeds(errors))
+    write_json(cached, sens.to_dict())
+    return sens
+
+
+def calibrated_sensitivity(src: str | Path, units: list[Unit], grad: Sensitivity, near_bits: float,
+                           calib_data: str = "embedded", n_windows: int = 8, ctx: int = 128, seed: int = 0,
+                           threads: int | None = None, work: Path | None = None, im: dict | None = None) -> Sensitivity:
+    """The gradient's curve over types, each unit's scaled to its KLD measured at one type: the base file and one file
+    per unit (that unit alone at its candidate nearest `near_bits`, the budget, where the allocation's choices
+    are), instead of one per unit and type. A unit whose measured or predicted delta there is not positive takes the
+    median scale of the others. The base KLD is measured."""
+    src = Path(src)
+    windows = _windows(src, calib_data, n_windows, ctx, seed)
+    probe = {u.name: min((t for t in u.candidates() if t != BASE), key=lambda t: abs(_bits(t) - near_bits),
+                         default=BASE) for u in units}
+    cached = sensitivity_cache(src, units, windows, im, ("calibrated", probe, grad.to_dict()))
+    if cached.is_file():
+        return Sensitivity.from_dict(json.loads(cached.read_text()))
+    probes = _Probes(src, windows, threads, work, im)
+    base_kld, units = probes.base(units)
+    base = {u.name: BASE for u in units}
+    measured = {u.name: probes.kld({**base, u.name: probe[u.name]})[0] - base_kld if probe[u.name] != BASE else 0.0
+                for u in track(units, "sensitivity: one unit at one type", total=len(units))}
+    ratio = {n: m / grad.delta[n][probe[n]] for n, m in measured.items()
+             if m > 0 and grad.delta[n].get(probe[n], 0) > 0}
+    typical = float(np.median(list(ratio.values()))) if ratio else 1.0
+    delta = {u.name: {t: d * ratio.get(u.name, typical) for t, d in grad.delta[u.name].items()} for u in units}
+    sens = Sensitivity(base_kld, delta, len(windows), ctx, calib_data, "calibrated", quantize_s=grad.quantize_s,
+                       probe={n: [probe[n], measured[n]] for n in measured})
+    write_json(cached, sens.to_dict())
+    return sens
+
+
+def sensitivity_cache(src: Path, units: list[Unit], windows: np.ndarray, im: dict | None, *more) -> Path:
     """Where the measured sensitivity of `src` on `windows` is cached: keyed by the file's content, the code, the
-    units and their candidates, the windows and the importance matrix."""
+    units and their candidates, the windows and the importance matrix (and `more`: what else a kind depends on)."""
     k = key("sensitivity", content_id(src), code_id(), BASE, [(u.name, u.candidates()) for u in units],
-            hashlib.sha256(windows.tobytes()).hexdigest(), _im_digest(im))
+            hashlib.sha256(windows.tobytes()).hexdigest(), _im_digest(im), *more)
     return cache_dir() / f"sens-{k}.json"
 
 
@@ -563,16 +645,21 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
         return budget_from(kept, total, other, header, target_bpw, target_bytes, float_bytes)
 
     budget_for(units)  # a target out of reach is refused before anything is measured
-    if sensitivity not in ("auto", "measured", "proxy"):
-        raise QuantgateError(f"--sensitivity must be auto, measured or proxy, got {sensitivity!r}")
+    if sensitivity not in SENSITIVITIES:
+        raise QuantgateError(f"--sensitivity must be one of {', '.join(SENSITIVITIES)}, got {sensitivity!r}")
     if sensitivity == "auto":
         sensitivity = "proxy" if total > PROXY_ABOVE else "measured"
     clock = _Phases()
     im = _importance(src, calib_data, calib_windows, ctx, seed) if imatrix else None
     if sensitivity == "proxy":
         sens = proxy_sensitivity(src, units, im, seed=seed, threads=threads)
-    else:
+    elif sensitivity == "measured":
         sens = measure_sensitivity(src, units, calib_data, calib_windows, ctx, seed, threads, out.parent, im)
+    else:
+        sens = gradient_sensitivity(src, units, calib_data, calib_windows, ctx, seed, threads, im)
+        if sensitivity == "calibrated":
+            sens = calibrated_sensitivity(src, units, sens, _target_bits(target_bpw, target_bytes, total), calib_data,
+                                          calib_windows, ctx, seed, threads, out.parent, im)
     units = [u for u in units if u.name in sens.delta]  # llama.cpp quantizes these
     clock.lap("sensitivity")
     cost = limit = None
@@ -602,7 +689,7 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
     plan = plan_for(units)
     clock.lap("allocation")
     target = f"{target_bpw:g} bpw" if target_bpw is not None else f"{target_bytes} bytes"
-    measured = sens.kind == "measured"
+    measured = sens.in_kld
     with atomic_path(out, "gguf") as tmp:
         fd, name = tempfile.mkstemp(prefix=".quantgate-alloc-", suffix=GGUF_SUFFIX, dir=tmp.parent)
         os.close(fd)
@@ -703,6 +790,11 @@ def floor_words(floor: DecodeFloor, plan: Allocation, tries: list[dict], what: s
     c = tries[-1]
     return (f"{floor} ({c['floor_tps']:.4g} tok/s here; the {what} measured {c['written_tps']:.4g}, median "
             f"per-round ratio {c['ratio_median']:.3f} over {c['rounds']} rounds)")
+
+
+def _target_bits(target_bpw: float | None, target_bytes: int | None, total_elements: int) -> float:
+    """The target in bits per weight (a file size over the model's weights)."""
+    return target_bpw if target_bpw is not None else 8 * target_bytes / total_elements
 
 
 def _check_types(mismatch: dict) -> None:

@@ -347,7 +347,9 @@ def allocate_onnx(src: str | Path, out: str | Path, target_bpw: float | None = N
                                                         + NODE_BYTES * len(graph.units))
     budget = budget_bytes(graph, other, target_bpw, target_bytes)
     if sensitivity not in ("auto", "measured", "proxy"):
-        raise QuantgateError(f"--sensitivity must be auto, measured or proxy, got {sensitivity!r}")
+        more = " (gradient and calibrated score llama.cpp types: a GGUF allocation)" if sensitivity in (
+            "gradient", "calibrated") else ""
+        raise QuantgateError(f"--sensitivity for an ONNX allocation must be auto, measured or proxy, got {sensitivity!r}{more}")
     if sensitivity == "auto":
         sensitivity = "proxy" if weights > MEASURE_ABOVE else "measured"
     if sensitivity == "proxy":

@@ -210,7 +210,9 @@ def allocate_torch(src: str | Path, out: str | Path, target_bpw: float, calib_da
     if not 1.0 <= target_bpw <= 32.0:
         raise QuantgateError(f"--target-bpw must be between 1 and 32, got {target_bpw}")
     if sensitivity not in ("auto", "measured", "proxy"):
-        raise QuantgateError(f"--sensitivity must be auto, measured or proxy, got {sensitivity!r}")
+        more = " (gradient and calibrated score llama.cpp types: a GGUF allocation)" if sensitivity in (
+            "gradient", "calibrated") else ""
+        raise QuantgateError(f"--sensitivity for a torch allocation must be auto, measured or proxy, got {sensitivity!r}{more}")
     if artifact_kind(src) != "hf":
         raise QuantgateError(f"{src}: a torch allocation reads a model directory, not a {artifact_kind(src)} file")
     inputs = (src, *data_paths(calib_data))

@@ -43,11 +43,13 @@ ROWS = 256  # rows sampled per tensor: the error's relative spread over rows is 
 
 
 def weight_errors(src: Path, units, im: dict | None = None, rows: int = ROWS, seed: int = 0,
-                  threads: int | None = None) -> dict:
+                  threads: int | None = None, weights: dict | None = None) -> dict:
     """{unit name: {"err": {type: error}, "sq": squared norm, "rows": n, "sampled": rows sampled, "quantize_s":
     {type: CPU seconds on the sampled rows}}} for every unit, its candidate types and its reference_type, computed in
     the llama.cpp worker (a ggml abort ends in one line, not in this process) on `threads` threads (default: every
-    core, as llama.cpp's quantizer)."""
+    core, as llama.cpp's quantizer). `weights` (quant.gradient.FisherRows.by_unit): per unit name (rows, per-element
+    weights [k, row], each row's factor to the whole tensor), in place of `rows` rows drawn at random weighted by
+    the importance matrix."""
     request = {"src": str(src), "rows": rows, "seed": seed, "threads": threads,
                "units": [[u.name, {t: _type_info(t) for t in dict.fromkeys((*u.candidates(), reference_type(u)))}]
                          for u in units]}
@@ -55,6 +57,14 @@ def weight_errors(src: Path, units, im: dict | None = None, rows: int = ROWS, se
         if im is not None:
             np.savez(Path(work) / "imatrix.npz", **im)
             request["imatrix"] = str(Path(work) / "imatrix.npz")
+        if weights is not None:
+            arrays = {}
+            for j, u in enumerate(units):
+                r, w, s = weights.get(u.name, (np.zeros(0, np.int64), np.zeros((0, u.row), np.float32),
+                                               np.zeros(0, np.float32)))
+                arrays.update({f"r{j}": r, f"w{j}": w, f"s{j}": s})
+            np.savez(Path(work) / "weights.npz", **arrays)
+            request["weights"] = str(Path(work) / "weights.npz")
         req, out = Path(work) / "request.json", Path(work) / "errors.json"
         req.write_text(json.dumps(request))
         with stage(f"weight error: {len(units)} tensors x their types, {rows} rows each"):
