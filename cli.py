@@ -397,6 +397,11 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
                    "each node's weight error from ORT's block quantizer; for torch, each Linear's squared rounding "
                    "error: minutes at 9B, but a weak stand-in); auto (the best one whose predicted time fits "
                    "--sensitivity-time)")
+@click.option("--sensitivity-time", default=None, metavar="TIME",
+              help="with --sensitivity auto on a GGUF: the time its sensitivity may take, seconds (300) or a factor "
+                   "of a plain Q4_K quantize's time predicted here (0.5x); default 0.5x, at least 120 s. auto takes "
+                   "measured, calibrated or gradient, the first predicted to fit, else the gradient on fewer "
+                   "windows, else the proxy; the file's metadata says which and why")
 @click.option("--decode-floor", default=None, metavar="SPEED",
               help="with --target-bpw/--target-size: the file must decode at least this fast, predicted from each "
                    "type's decode time measured here with --threads: tok/s (40), a llama.cpp type (Q4_K_M: as fast "
@@ -431,8 +436,8 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
               help="torch: run the model one decoder block at a time and write the output as it goes (what a model "
                    "too large for memory gets anyway); the same file, one block's weights resident")
 def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, imatrix, gate_bits, target_bpw,
-             target_size, hold_gates, sensitivity, decode_floor, alloc_types, quantize_factor, out, calib_data,
-             calib_windows, ctx, seed, threads, layerwise):
+             target_size, hold_gates, sensitivity, sensitivity_time, decode_floor, alloc_types, quantize_factor, out,
+             calib_data, calib_windows, ctx, seed, threads, layerwise):
     """Quantize MODEL: a model directory under a named PyTorch scheme (writes a loadable checkpoint that
     records the scheme), a .gguf with llama.cpp's own quantizer (--type), or an ONNX export with
     onnxruntime.quantization (--scheme int8-dynamic|int8-static|int8-weight|int4). Every scheme is a row of
@@ -452,6 +457,7 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
         backend = {"gguf": "llama.cpp", "onnx": "onnxruntime", "hf": "torch"}[artifact_kind(model)]
     for flag, given in (("--hold-gates", hold_gates), ("--decode-floor", decode_floor),
                         ("--sensitivity", sensitivity != "auto"), ("--types", alloc_types),
+                        ("--sensitivity-time", sensitivity_time),
                         ("--quantize-time", quantize_factor is not None)):
         if given and target_bpw is None and target_size is None:
             raise QuantgateError(f"{flag} applies to an allocation: add --target-bpw or --target-size")
@@ -464,7 +470,8 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
         if backend == "torch":
             for flag, given in (("--target-size", target_size), ("--imatrix", imatrix), ("--types", alloc_types),
                                 ("--decode-floor", decode_floor), ("--layerwise", layerwise),
-                                ("--quantize-time", quantize_factor is not None)):
+                                ("--quantize-time", quantize_factor is not None),
+                                ("--sensitivity-time", sensitivity_time)):
                 if given:
                     raise QuantgateError(f"{flag} does not apply to a torch allocation (--target-bpw on a model "
                                          f"directory: its checkpoint stores rounded weights in float, with no integer "
@@ -476,7 +483,8 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
             return
         if backend == "onnxruntime":
             for flag, given in (("--imatrix", imatrix), ("--types", alloc_types),
-                                ("--quantize-time", quantize_factor is not None)):
+                                ("--quantize-time", quantize_factor is not None),
+                                ("--sensitivity-time", sensitivity_time)):
                 if given:
                     raise QuantgateError(f"{flag} applies to a GGUF allocation (an ONNX allocation chooses MatMulNBits "
                                          f"bits and block sizes)")
@@ -491,7 +499,7 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
         floor = parse_floor(decode_floor) if decode_floor else None
         summary = allocate_gguf(model, out, target_bpw, parse_size(target_size) if target_size else None, calib_data,
                                 calib_windows, ctx, seed, threads, hold_gates, imatrix == "auto", floor, sensitivity,
-                                parse_types(alloc_types), quantize_factor)
+                                parse_types(alloc_types), quantize_factor, sensitivity_time)
         _emit(summary if as_json else {k: v for k, v in summary.items() if k not in ("sensitivity", "decode_cost")},
               as_json)
         return

@@ -183,3 +183,53 @@ def test_quantize_with_a_gradient_sensitivity_writes_a_file_within_the_budget(k_
     assert info.bits_per_weight <= 5.0 and all(info.tensor_types[n] == t for n, t in s["types"].items())
     assert len(set(s["types"].values())) >= 2
     assert GGUFReader(out).fields["quantgate.allocation.sensitivity"].contents() == kind
+
+
+def test_auto_takes_the_best_sensitivity_its_time_budget_holds():
+    from quantgate.quant.allocate import choose_sensitivity
+    pred = {"measured": 900.0, "calibrated": 200.0, "gradient": 50.0}
+    per = lambda n: 10.0 * n  # noqa: E731  the gradient's seconds on n windows
+    assert choose_sensitivity(pred, per, 5, 1000) == ("measured", 5)
+    assert choose_sensitivity(pred, per, 5, 300) == ("calibrated", 5)
+    assert choose_sensitivity(pred, per, 5, 60) == ("gradient", 5)
+    assert choose_sensitivity(pred, per, 5, 35) == ("gradient", 3)  # fewer windows where all of them do not fit
+    assert choose_sensitivity(pred, per, 5, 5) == ("proxy", 5)
+
+
+@pytest.mark.parametrize("bad", ["0", "-3", "x", "nanx", "0x", "inf"])
+def test_a_bad_sensitivity_time_is_one_line(k_quant_gguf, tmp_path, bad):
+    r = run_cli("quantize", k_quant_gguf, "--target-bpw", "5", "--sensitivity-time", bad, "--out", tmp_path / "a.gguf")
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "--sensitivity-time" in lines[0], r.stderr[-2000:]
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_default_time_budget_is_half_a_plain_quantize_and_at_least_two_minutes():
+    from quantgate.quant.allocate import auto_budget
+    assert auto_budget(None, None, 1.0) == 120 and auto_budget(None, None, 600.0) == 300
+    assert auto_budget(None, 0.5, 1.0) == 0.5 and auto_budget(30.0, None, 600.0) == 30
+
+
+def test_auto_says_what_it_chose_and_why(k_quant_gguf, tmp_path):
+    """auto on a small model with 30 s: a KLD-based sensitivity predicted within them, the choice and each
+    candidate's predicted seconds in the summary and the file's metadata; a budget of a millisecond leaves the
+    proxy."""
+    from gguf import GGUFReader
+    env = {"QUANTGATE_CACHE": str(tmp_path / "cache")}
+    out = tmp_path / "auto.gguf"
+    r = run_cli("quantize", k_quant_gguf, "--target-bpw", "5", "--calib-windows", "4", "--ctx", "64", "--out", out,
+                "--sensitivity-time", "30", "--json", env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads(r.stdout)
+    auto = s["sensitivity_auto"]
+    assert auto["chose"] == s["sensitivity_kind"] != "proxy" and auto["budget_s"] == 30
+    assert auto["predicted_s"][auto["chose"]] <= auto["budget_s"]
+    assert set(auto["predicted_s"]) == {"measured", "calibrated", "gradient"}
+    assert auto["predicted_s"]["measured"] > auto["predicted_s"]["calibrated"] > auto["predicted_s"]["gradient"]
+    meta = GGUFReader(out).fields
+    assert meta["quantgate.allocation.sensitivity"].contents() == s["sensitivity_kind"]
+    assert meta["quantgate.allocation.sensitivity_auto"].contents().startswith(f"auto: {auto['chose']}")
+    quick = run_cli("quantize", k_quant_gguf, "--target-bpw", "5", "--sensitivity-time", "0.001", "--out",
+                    tmp_path / "quick.gguf", "--json", env=env)
+    assert quick.returncode == 0, quick.stderr[-2000:]
+    assert json.loads(quick.stdout)["sensitivity_kind"] == "proxy"

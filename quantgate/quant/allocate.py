@@ -55,9 +55,9 @@ from ..reference import cache_dir
 from ..runners.open import fixed_ctx, open_runner
 from .decode_cost import DecodeCost, floor_check, floor_missed, measure_decode_cost
 from .llama_cpp import exact_overrides as overrides, importance_matrix, run_quantizer
-from .gradient import ROWS as GRADIENT_ROWS, fisher_rows
+from .gradient import ALL_ELEMENTS as GRADIENT_ALL, ROWS as GRADIENT_ROWS, fisher_rows, pilot, predict_seconds
 from .proxy import (QUANTIZE_TIME, ROWS, QuantizeTime, proxy_deltas, quantize_speeds, quantize_time,
-                    weight_errors)
+                    reference_type, weight_errors)
 from .targets import DecodeFloor
 
 CANDIDATES = ("Q2_K", "Q3_K", "IQ4_XS", "Q4_K", "Q5_K", "Q6_K", "Q8_0")  # types llama.cpp's own mixtures use
@@ -168,7 +168,91 @@ class Sensitivity:
 
 
 SENSITIVITIES = ("auto", "measured", "calibrated", "gradient", "proxy")
-PROXY_ABOVE = 100_000_000  # weights: --sensitivity auto measures below, takes the proxy above (hours to measure)
+PROXY_ABOVE = 100_000_000  # weights: the ONNX and torch allocators' auto measures below, takes the proxy above
+# --sensitivity auto on a GGUF: the best sensitivity whose predicted time fits AUTO_FACTOR times a plain quantize
+# (every tensor at Q4_K, predicted from ggml's quantizer timed here), or AUTO_MIN_S, whichever is longer; so that the
+# allocation, its quantizer run included, stays near 2x a plain quantize at 4B-9B (issue 50's goal) while a small
+# model, whose plain quantize takes a second, still gets a KLD-based sensitivity
+AUTO_FACTOR = 0.5
+AUTO_MIN_S = 120.0
+PILOT_ROWS = 16  # rows per tensor the auto choice's quantizer timing samples
+PROBE_START_S = 1.3  # a measured probe's fixed cost: the quantizer's and llama.cpp's processes (0.8 probes/s, tiny)
+
+
+def parse_sensitivity_time(text: str | None) -> tuple[float | None, float | None]:
+    """`--sensitivity-time`: seconds (`300`) or a factor of a plain quantize's predicted time (`0.5x`), as (seconds,
+    factor); None: the default (AUTO_FACTOR, at least AUTO_MIN_S)."""
+    if text is None:
+        return None, None
+    t = text.strip().lower()
+    try:
+        value = float(t[:-1] if t.endswith("x") else t)
+    except ValueError:
+        value = float("nan")
+    if not np.isfinite(value) or value <= 0:
+        raise QuantgateError(f"--sensitivity-time {text!r}: give seconds (300) or a factor of a plain quantize's "
+                             f"time (0.5x), above 0")
+    return (None, value) if t.endswith("x") else (value, None)
+
+
+@dataclass
+class AutoChoice:
+    """What `--sensitivity auto` chose and why: the kind, the calibration windows it runs on, the time budget, and
+    each candidate's predicted seconds (the gradient's at the windows asked for)."""
+    kind: str
+    windows: int
+    budget_s: float
+    plain_quantize_s: float
+    predicted_s: dict[str, float]
+
+    def to_dict(self) -> dict:
+        return {"chose": self.kind, "windows": self.windows, "budget_s": round(self.budget_s, 1),
+                "plain_quantize_s": round(self.plain_quantize_s, 1),
+                "predicted_s": {k: round(v, 1) for k, v in self.predicted_s.items()}}
+
+    def words(self) -> str:
+        return (f"auto: {self.kind} ({self.windows} windows), the best predicted within {self.budget_s:.0f} s "
+                f"(" + ", ".join(f"{k} {v:.0f} s" for k, v in self.predicted_s.items()) + ")")
+
+
+def auto_budget(seconds: float | None, factor: float | None, plain_s: float) -> float:
+    """The seconds auto's sensitivity may take: those asked, a factor of a plain quantize's predicted `plain_s`, or
+    by default AUTO_FACTOR of it and at least AUTO_MIN_S."""
+    if seconds is not None:
+        return seconds
+    return factor * plain_s if factor is not None else max(AUTO_MIN_S, AUTO_FACTOR * plain_s)
+
+
+def choose_sensitivity(predicted: dict[str, float], gradient_at, n_windows: int, budget_s: float) -> tuple[str, int]:
+    """(kind, windows): measured, calibrated or gradient where its predicted seconds fit the budget, in that order;
+    else the gradient on as many windows as fit (`gradient_at(n)`: its seconds on n windows); else the proxy."""
+    for kind in ("measured", "calibrated", "gradient"):
+        if predicted[kind] <= budget_s:
+            return kind, n_windows
+    fits = [n for n in range(n_windows - 1, 0, -1) if gradient_at(n) <= budget_s]
+    return ("gradient", fits[0]) if fits else ("proxy", n_windows)
+
+
+def auto_sensitivity(src: Path, units: list[Unit], n_windows: int, ctx: int, threads: int | None,
+                     seconds: float | None, factor: float | None) -> AutoChoice:
+    """Predict each sensitivity's time here from two short pilots (ggml's quantizers on PILOT_ROWS rows per tensor;
+    one block read and run over one window, quant.gradient.pilot) and choose (choose_sensitivity)."""
+    speeds = quantize_speeds(weight_errors(src, units, None, PILOT_ROWS, threads=threads))
+    n = threads or os.cpu_count() or 1
+    rate = lambda t: speeds.get(t, max(speeds.values())) / n  # noqa: E731  wall seconds per weight
+    plain = sum(u.n_elements * rate(reference_type(u)) for u in units)
+    budget = auto_budget(seconds, factor, plain)
+    p = pilot(src, ctx, threads)
+    run = p["layers"] * p["forward_s"] * (1 + p["vocab"] / (12 * p["dim"]))  # one window, forward only
+    errors = sum((u.n_elements if u.n_elements <= GRADIENT_ALL else GRADIENT_ROWS * u.row) *
+                 sum(rate(t) for t in u.candidates()) for u in units)
+    probe = sum(u.n_elements * rate(BASE) for u in units) + n_windows * run + PROBE_START_S
+    gradient_at = lambda k: predict_seconds(p, k) + errors  # noqa: E731
+    measured = n_windows * run + (1 + sum(len(u.candidates()) - 1 for u in units)) * probe
+    predicted = {"measured": measured, "calibrated": gradient_at(n_windows) + n_windows * run + (1 + len(units)) * probe,
+                 "gradient": gradient_at(n_windows)}
+    kind, k = choose_sensitivity(predicted, gradient_at, n_windows, budget)
+    return AutoChoice(kind, k, budget, plain, predicted)
 
 
 def proxy_sensitivity(src: Path, units: list[Unit], im: dict | None = None, rows: int | None = None,
@@ -603,14 +687,17 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
                   calib_data: str = "embedded", calib_windows: int = 8, ctx: int = 128, seed: int = 0,
                   threads: int | None = None, hold_gates: bool = False, imatrix: bool = False,
                   decode_floor: DecodeFloor | None = None, sensitivity: str = "auto",
-                  types: tuple[str, ...] = (), quantize_factor: float | None = None) -> dict:
+                  types: tuple[str, ...] = (), quantize_factor: float | None = None,
+                  sensitivity_time: str | None = None) -> dict:
     """Write `out` from the F32/F16/BF16 GGUF `src` with per-tensor types chosen under the target (bits per weight
     over all tensors, or file bytes); `hold_gates` keeps the gate units at the allocation's base type (the A/B's
     held arm: the same budget, the gates given no more bits than most of the model); `imatrix`: every
     quantization, the measured ones and the written file, takes an importance matrix from the calibration windows;
     `decode_floor`: the file's decode speed, predicted from per-type timings taken here with `threads`
-    (quant.decode_cost), must not fall below it; `sensitivity`: "measured" (KLD per tensor and type), "proxy"
-    (weight error, quant.proxy: for models too large to measure) or "auto" (measured up to PROXY_ABOVE weights);
+    (quant.decode_cost), must not fall below it; `sensitivity`: "measured" (KLD per tensor and type), "gradient"
+    (KLD predicted from the Fisher diagonal, quant.gradient), "calibrated" (the gradient scaled to one measured KLD
+    per tensor), "proxy" (weight error, quant.proxy) or "auto" (the best whose predicted time fits
+    `sensitivity_time`: parse_sensitivity_time, default AUTO_FACTOR x a plain quantize, at least AUTO_MIN_S);
     `types`: the candidate types allowed (parse_types; empty: all), e.g. leaving out IQ4_XS, whose quantizer is about
     3x slower than Q4_K's and whose CPU decode is slower than its size suggests; `quantize_factor` (default
     QUANTIZE_TIME; 0: no limit): with the proxy, which times each type's quantizer on its sampled rows, llama.cpp's
@@ -647,9 +734,15 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
     budget_for(units)  # a target out of reach is refused before anything is measured
     if sensitivity not in SENSITIVITIES:
         raise QuantgateError(f"--sensitivity must be one of {', '.join(SENSITIVITIES)}, got {sensitivity!r}")
-    if sensitivity == "auto":
-        sensitivity = "proxy" if total > PROXY_ABOVE else "measured"
+    seconds, factor_s = parse_sensitivity_time(sensitivity_time)
+    if sensitivity_time is not None and sensitivity != "auto":
+        raise QuantgateError("--sensitivity-time is the time budget of --sensitivity auto")
     clock = _Phases()
+    choice = None
+    if sensitivity == "auto":
+        choice = auto_sensitivity(src, units, calib_windows, ctx, threads, seconds, factor_s)
+        sensitivity, calib_windows = choice.kind, choice.windows
+        clock.lap("auto choice")
     im = _importance(src, calib_data, calib_windows, ctx, seed) if imatrix else None
     if sensitivity == "proxy":
         sens = proxy_sensitivity(src, units, im, seed=seed, threads=threads)
@@ -734,6 +827,8 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
                     f"{META}.calibration": (f"{calib_data}: {sens.windows} windows of {sens.ctx} tokens" if measured
                                             else f"{sens.data}: {sens.windows} sampled rows per tensor"),
                     f"{META}.tensor_types": [f"{n}={t}" for n, t in plan.types.items()]}
+            if choice is not None:
+                meta[f"{META}.sensitivity_auto"] = choice.words()
             if measured:
                 meta[f"{META}.predicted_kld"] = float(plan.predicted_kld)
             if cost is not None:
@@ -751,7 +846,8 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
             raw.unlink(missing_ok=True)
     summary = {"src": str(src), "out": str(out), "target_bpw": target_bpw, "target_bytes": target_bytes,
                "bytes": out.stat().st_size, "bits_per_weight": round(written.bits_per_weight, 4),
-               "sensitivity_kind": sens.kind, "predicted_kld": plan.predicted_kld if measured else None,
+               "sensitivity_kind": sens.kind, **({"sensitivity_auto": choice.to_dict()} if choice else {}),
+               "predicted_kld": plan.predicted_kld if measured else None,
                **({} if measured else {"predicted_proxy_error": plan.predicted_kld}),
                "hold_gates": hold_gates, "imatrix": imatrix, "types_allowed": list(types) or "all",
                "types": plan.types, "gate_types": {n: t for n, t in plan.types.items() if n.endswith(GATE_UNITS)},

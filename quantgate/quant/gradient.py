@@ -244,3 +244,33 @@ def _chosen(f: np.ndarray, rng: np.random.Generator, rows: int) -> tuple[np.ndar
     """A tensor's Fisher [n_rows, row] as (row indices, their Fisher rows, factors): pick_rows by the rows' mass."""
     idx, scale = pick_rows(f.sum(1), rng, rows, keep_all=f.size <= ALL_ELEMENTS)
     return idx.astype(np.int64), np.ascontiguousarray(f[idx], dtype=np.float32), scale
+
+
+def pilot(src: str | Path, T: int, threads: int | None = None) -> dict:
+    """What one block costs here, for `--sensitivity auto` to predict a whole pass from: seconds to read block 0's
+    tensors into fp32 and to run it forward over one window of T tokens; the model's layers, width and vocabulary."""
+    if threads:
+        torch.set_num_threads(threads)
+    s = _Source(Path(src))
+    cfg, arch = s.cfg, s.info.arch
+    with torch.device("meta"):
+        model = Model(cfg)
+    t0 = time.perf_counter()
+    sd = _local(layer_state(cfg, arch, s.names, s.read, 0), 0)
+    t1 = time.perf_counter()
+    cos, sin = rope_cache(cfg, torch.arange(T))
+    h = torch.randn(1, T, cfg.dim) * 0.02
+    with torch.no_grad():
+        functional_call(model.layers[0], sd, (h, cos, sin))
+    t2 = time.perf_counter()
+    return {"read_s": t1 - t0, "forward_s": t2 - t1, "layers": cfg.n_layers, "dim": cfg.dim,
+            "vocab": int(s.tensors["token_embd.weight"].shape[1])}
+
+
+def predict_seconds(p: dict, n_windows: int) -> float:
+    """A gradient pass over `n_windows` predicted from pilot(): each block read twice (forward, backward) and run
+    about four times per window (the forward, its recomputation and the backward's two products); the head's four
+    vocabulary-wide products per window, against a block's ~24 dim^2 per token, cost vocab / (3 dim) block-forwards."""
+    per_block = 2 * p["read_s"] + 4 * n_windows * p["forward_s"]
+    head = n_windows * p["forward_s"] * p["vocab"] / (3 * p["dim"])
+    return p["layers"] * per_block + head
