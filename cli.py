@@ -405,13 +405,15 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
 @click.option("--decode-floor", default=None, metavar="SPEED",
               help="with --target-bpw/--target-size: the file must decode at least this fast, predicted from each "
                    "type's decode time measured here with --threads: tok/s (40), a llama.cpp type (Q4_K_M: as fast "
-                   "as that file of this model) or a fraction of one (0.95xQ4_K_M); types such as IQ4_XS, Q3_K and "
-                   "Q5_K decode slower on a CPU than their size suggests. One file per type is written and timed: "
-                   "seconds for a small model, as long as eight plain quantizations for a large one; then the written "
-                   "file is timed against the floor in alternated rounds and written again (three files at most) where it is "
-                   "measurably slower (a sign test over the rounds). A floor of at most 1x a type whose file fits the "
-                   "budget takes that type's own per-tensor types where they are predicted to lose less KLD, or where "
-                   "nothing else is fast enough")
+                   "as that file of this model), a fraction of one (0.95xQ4_K_M), auto (GGUF default: as fast as the "
+                   "largest standard type, Q3_K_M to Q8_0, whose file fits the budget, where its files and timings "
+                   "are predicted within --sensitivity-time; else none, and the file says so) or none. Types such as "
+                   "IQ4_XS, Q3_K and Q5_K decode slower on a CPU than their size suggests. One file per type is "
+                   "written and timed, then the written file is timed against the floor in alternated rounds (128 "
+                   "tokens of prefill, 128 of decode, 9 rounds) and written again (three files at most) where its "
+                   "median is under 0.98x the floor's or it is measurably slower (a sign test over the rounds). A "
+                   "floor of at most 1x a type whose file fits the budget takes that type's own per-tensor types "
+                   "where they are predicted to lose less KLD, or where nothing else is fast enough")
 @click.option("--types", "alloc_types", default=None, metavar="LIST",
               help="with --target-bpw/--target-size on a GGUF: the llama.cpp types the allocation may use, comma-"
                    "separated (default: Q2_K,Q3_K,IQ4_XS,Q4_K,Q5_K,Q6_K,Q8_0, and Q4_0,Q5_0,Q5_1,IQ4_NL for rows not a "
@@ -431,7 +433,8 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
 @click.option("--ctx", type=CTX, default=256, show_default=True)
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--threads", type=THREADS, default=None,
-              help="llama.cpp quantizer threads (with --decode-floor: also the threads its decode is timed with)")
+              help="llama.cpp quantizer threads (with --decode-floor: also the threads its decode is timed with; "
+                   "one by default, which a busy machine does not upset)")
 @click.option("--layerwise", is_flag=True, default=None,
               help="torch: run the model one decoder block at a time and write the output as it goes (what a model "
                    "too large for memory gets anyway); the same file, one block's weights resident")
@@ -489,14 +492,19 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
                     raise QuantgateError(f"{flag} applies to a GGUF allocation (an ONNX allocation chooses MatMulNBits "
                                          f"bits and block sizes)")
             from quantgate.quant.allocate_onnx import OPTIONS, allocate_onnx
-            floor = parse_floor(decode_floor, references=OPTIONS, kind="a uniform option") if decode_floor else None
+            if decode_floor and decode_floor.strip().lower() == "auto":
+                raise QuantgateError("--decode-floor auto is a GGUF allocation's (the standard llama.cpp type the "
+                                     "budget names); an ONNX allocation takes tok/s, a uniform option or none")
+            floor = (parse_floor(decode_floor, references=OPTIONS, kind="a uniform option")
+                     if decode_floor and decode_floor.strip().lower() != "none" else None)
             summary = allocate_onnx(model, out, target_bpw, parse_size(target_size) if target_size else None,
                                     calib_data, calib_windows, ctx, seed, threads, hold_gates, sensitivity, floor)
             _emit(summary if as_json else {k: v for k, v in summary.items() if k not in ("sensitivity", "decode_cost")},
                   as_json)
             return
         from quantgate.quant.allocate import allocate_gguf, parse_types
-        floor = parse_floor(decode_floor) if decode_floor else None
+        floor = ("auto" if decode_floor is None or decode_floor.strip().lower() == "auto" else
+                 None if decode_floor.strip().lower() == "none" else parse_floor(decode_floor))
         summary = allocate_gguf(model, out, target_bpw, parse_size(target_size) if target_size else None, calib_data,
                                 calib_windows, ctx, seed, threads, hold_gates, imatrix == "auto", floor, sensitivity,
                                 parse_types(alloc_types), quantize_factor, sensitivity_time)

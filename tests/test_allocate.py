@@ -206,7 +206,8 @@ def test_the_proxy_limits_llama_cpps_quantizer_time_and_says_what_it_cost(f32_gg
     from quantgate.quant import proxy
     from quantgate.quant.allocate import allocate_gguf
     monkeypatch.setattr(proxy, "QUANTIZE_SLACK_S", 0.0)  # a tiny model's quantizer takes milliseconds
-    s = allocate_gguf(f32_gguf, tmp_path / "q.gguf", target_bpw=5.0, sensitivity="proxy", quantize_factor=1.0)
+    s = allocate_gguf(f32_gguf, tmp_path / "q.gguf", target_bpw=5.0, sensitivity="proxy", quantize_factor=1.0,
+                      decode_floor=None)
     q = s["quantize_time"]
     speeds = q["cpu_s_per_weight"]
     assert set(speeds) >= {"IQ4_NL", "Q4_0", "Q5_0", "Q8_0"} and all(v > 0 for v in speeds.values())
@@ -216,7 +217,8 @@ def test_the_proxy_limits_llama_cpps_quantizer_time_and_says_what_it_cost(f32_gg
     assert q["binds"] is True and q["unlimited_predicted_proxy_error"] <= q["predicted_proxy_error"]
     said = GGUFReader(tmp_path / "q.gguf").fields["quantgate.allocation.quantize_time"].contents()
     assert "at most 1x" in said and "or 0 s more" in said and q["slack_s"] == 0
-    free = allocate_gguf(f32_gguf, tmp_path / "f.gguf", target_bpw=5.0, sensitivity="proxy", quantize_factor=0)
+    free = allocate_gguf(f32_gguf, tmp_path / "f.gguf", target_bpw=5.0, sensitivity="proxy", quantize_factor=0,
+                         decode_floor=None)
     assert "quantize_time" not in free
     assert "quantgate.allocation.quantize_time" not in GGUFReader(tmp_path / "f.gguf").fields
     assert free["predicted_proxy_error"] == pytest.approx(q["unlimited_predicted_proxy_error"])
@@ -249,12 +251,17 @@ def test_a_floor_named_by_a_type_is_planned_as_the_model_predicts_that_types_rec
 
 
 def test_a_written_file_misses_its_floor_only_when_measurably_slower():
-    """The floor check's sign test: a file meets its floor unless at most sign_k(n) of n alternated rounds are as
-    fast as the floor (P <= 5% for a file no slower); the ratio it replans by is the median per-round ratio."""
-    from quantgate.quant.decode_cost import FloorCheck, sign_k
-    assert [sign_k(n) for n in (1, 4, 5, 9, 20)] == [-1, -1, 0, 1, 5]
-    noisy = FloorCheck(95.0, 100.0, [0.7, 1.2, 0.9, 1.05, 0.8, 1.3, 0.95, 0.9, 1.1])
-    assert noisy.met and noisy.ratio == pytest.approx(0.95)
+    """The floor check: a file meets its floor where its median per-round ratio is at least CHECK_MEDIAN (0.98: room
+    for the noise between the check and a later timing inside the goal's 0.95) and it is not measurably slower, i.e.
+    more than sign_k(n) of n alternated rounds as fast as the floor (P <= 5% for a file no slower); the ratio it
+    replans by is the median per-round ratio."""
+    from quantgate.quant.decode_cost import CHECK_MEDIAN, FloorCheck, sign_k
+    assert [sign_k(n) for n in (1, 4, 5, 9, 20)] == [-1, -1, 0, 1, 5] and CHECK_MEDIAN == 0.98
+    noisy = FloorCheck(99.0, 100.0, [0.7, 1.2, 0.99, 1.05, 0.8, 1.3, 0.95, 0.9, 1.1])
+    assert noisy.met and noisy.ratio == pytest.approx(0.99)
+    assert not FloorCheck(95.0, 100.0, [0.7, 1.2, 0.9, 1.05, 0.8, 1.3, 0.95, 0.9, 1.1]).met  # median 0.95
+    steady = FloorCheck(99.0, 100.0, [0.99, 0.985, 0.995, 0.99, 1.0, 0.99, 0.99, 0.985, 0.99])
+    assert steady.ratio >= CHECK_MEDIAN and not steady.met  # one round of nine as fast: measurably slower
     short = FloorCheck(90.0, 100.0, [0.9, 0.92, 0.88, 1.01, 0.9, 0.95, 0.85, 0.9, 0.93])
     assert not short.met and short.ratio == pytest.approx(0.9)
     d = short.to_dict()
@@ -315,8 +322,9 @@ def test_quantize_target_bpw_writes_the_chosen_types_within_the_budget(f32_gguf,
     from quantgate.formats import inspect_gguf
     from quantgate.runners import LlamaRunner
     out = tmp_path / "auto.gguf"
+    none = ("--sensitivity", "measured", "--decode-floor", "none")  # the default floor has its own test
     r = run_cli("quantize", f32_gguf, "--target-bpw", "6", "--calib-windows", "2", "--ctx", "32", "--out", out,
-                "--json", env={"QUANTGATE_CACHE": str(sens_cache)})
+                "--json", *none, env={"QUANTGATE_CACHE": str(sens_cache)})
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads(r.stdout)
     info = inspect_gguf(out)
@@ -338,7 +346,7 @@ def test_quantize_target_bpw_writes_the_chosen_types_within_the_budget(f32_gguf,
         assert np.isfinite(runner.logits(np.array([[1, 2, 3, 4]]))).all()
     # the gate A/B's held arm, from the cached sensitivity: the gates take the allocation's base type
     held = run_cli("quantize", f32_gguf, "--target-bpw", "6", "--calib-windows", "2", "--ctx", "32", "--hold-gates",
-                   "--out", tmp_path / "held.gguf", "--json", env={"QUANTGATE_CACHE": str(sens_cache)})
+                   "--out", tmp_path / "held.gguf", "--json", *none, env={"QUANTGATE_CACHE": str(sens_cache)})
     assert held.returncode == 0, held.stderr[-2000:]
     h = json.loads(held.stdout)
     from quantgate.formats.gguf import open_reader
@@ -352,14 +360,14 @@ def test_quantize_target_bpw_writes_the_chosen_types_within_the_budget(f32_gguf,
     # a size target counts the whole file, the type map in its metadata included
     target = out.stat().st_size - 1
     sized = run_cli("quantize", f32_gguf, "--target-size", str(target), "--calib-windows", "2", "--ctx", "32",
-                    "--out", tmp_path / "sized.gguf", "--json", env={"QUANTGATE_CACHE": str(sens_cache)})
+                    "--out", tmp_path / "sized.gguf", "--json", *none, env={"QUANTGATE_CACHE": str(sens_cache)})
     assert sized.returncode == 0, sized.stderr[-2000:]
     assert (tmp_path / "sized.gguf").stat().st_size <= target
     # a decode floor: each type's decode timed here, the allocation predicted at least that fast, the written file
     # timed against the floor, said in the file (a floor far under Q8_0's speed: the written file's check, a timing on
     # a shared machine, is the scripted test's business below)
     fl = run_cli("quantize", f32_gguf, "--target-bpw", "6", "--calib-windows", "2", "--ctx", "32", "--decode-floor",
-                 "0.5xQ8_0", "--threads", "1", "--out", tmp_path / "floor.gguf", "--json",
+                 "0.5xQ8_0", "--threads", "1", "--sensitivity", "measured", "--out", tmp_path / "floor.gguf", "--json",
                  env={"QUANTGATE_CACHE": str(sens_cache)})
     assert fl.returncode == 0, fl.stderr[-2000:]
     f = json.loads(fl.stdout)
@@ -374,7 +382,7 @@ def test_quantize_target_bpw_writes_the_chosen_types_within_the_budget(f32_gguf,
     assert fields["quantgate.allocation.predicted_decode_tps"].contents() == pytest.approx(f["predicted_decode_tps"])
     assert not list(tmp_path.glob(".quantgate-*"))  # the timed files are gone
     far = run_cli("quantize", f32_gguf, "--target-bpw", "6", "--calib-windows", "2", "--ctx", "32", "--decode-floor",
-                  "1000000000", "--threads", "1", "--out", tmp_path / "far.gguf",
+                  "1000000000", "--threads", "1", "--sensitivity", "measured", "--out", tmp_path / "far.gguf",
                   env={"QUANTGATE_CACHE": str(sens_cache)})
     assert far.returncode == 2 and "decode floor out of reach" in far.stderr, far.stderr[-2000:]
     assert not (tmp_path / "far.gguf").exists() and not list(tmp_path.glob(".quantgate-*"))
@@ -596,8 +604,8 @@ def test_quantize_with_the_proxy_writes_a_file_within_the_budget(f32_gguf, tmp_p
 
     from quantgate.formats import inspect_gguf
     out = tmp_path / "proxy.gguf"
-    r = run_cli("quantize", f32_gguf, "--target-bpw", "6", "--sensitivity", "proxy", "--out", out, "--json",
-                env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
+    r = run_cli("quantize", f32_gguf, "--target-bpw", "6", "--sensitivity", "proxy", "--decode-floor", "none", "--out",
+                out, "--json", env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stderr[-2000:]
     s = json.loads(r.stdout)
     assert s["sensitivity_kind"] == "proxy" and s["predicted_kld"] is None and s["predicted_proxy_error"] > 0
@@ -630,7 +638,7 @@ def test_types_restrict_the_allocation_and_bad_ones_are_one_line(f32_gguf, tmp_p
     from quantgate.formats import inspect_gguf
     out = tmp_path / "k.gguf"
     r = run_cli("quantize", f32_gguf, "--target-bpw", "6", "--sensitivity", "proxy", "--types", "q4_0,Q4_K",
-                "--out", out, "--json")
+                "--decode-floor", "none", "--out", out, "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     s = json.loads(r.stdout)
     assert set(s["types"].values()) <= {"Q4_0", "Q4_K", "Q8_0"} and s["types_allowed"] == ["Q4_0", "Q4_K"]
@@ -675,7 +683,8 @@ def test_tensors_llama_cpp_keeps_in_float_count_against_the_budget(gated_f32_ggu
     probe.unlink()
     out = tmp_path / "auto.gguf"
     r = run_cli("quantize", gated_f32_gguf, "--target-bpw", "5.5", "--sensitivity", sensitivity, "--calib-windows",
-                "2", "--ctx", "32", "--out", out, "--json", env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
+                "2", "--ctx", "32", "--decode-floor", "none", "--out", out, "--json",
+                env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stderr[-2000:]
     s = json.loads(r.stdout)
     assert not floats & set(s["types"]) and inspect_gguf(out).bits_per_weight <= 5.5

@@ -144,7 +144,7 @@ def test_the_gradient_sensitivity_is_cached_by_content(k_quant_gguf, tmp_path, m
 
 
 def test_the_calibrated_sensitivity_is_the_measurement_where_it_measured(k_quant_gguf, tmp_path, monkeypatch):
-    """One probe per tensor at the type nearest the budget: its delta there is what the measured sensitivity gives
+    """One probe per tensor at Q4_K (the bulk of a Q4_K_M file): its delta there is what the measured sensitivity gives
     for that tensor and type (measured here on Q4_K alone), its other types keep the gradient's ratios, the base
     KLD is measured."""
     from quantgate.quant.allocate import (calibrated_sensitivity, gradient_sensitivity, measure_sensitivity,
@@ -152,7 +152,7 @@ def test_the_calibrated_sensitivity_is_the_measurement_where_it_measured(k_quant
     monkeypatch.setenv("QUANTGATE_CACHE", str(tmp_path / "cache"))
     units = units_of(k_quant_gguf)
     g = gradient_sensitivity(k_quant_gguf, units, **KW)
-    c = calibrated_sensitivity(k_quant_gguf, units, g, 4.5, **KW, work=tmp_path)
+    c = calibrated_sensitivity(k_quant_gguf, units, g, **KW, work=tmp_path)
     m = measure_sensitivity(k_quant_gguf, units_of(k_quant_gguf, ("Q4_K",)), **KW, work=tmp_path)
     assert c.kind == "calibrated" and c.base_kld == pytest.approx(m.base_kld, rel=1e-9)
     assert set(c.probe) == set(m.delta)
@@ -175,7 +175,7 @@ def test_quantize_with_a_gradient_sensitivity_writes_a_file_within_the_budget(k_
     from quantgate.formats import inspect_gguf
     out = tmp_path / f"{kind}.gguf"
     r = run_cli("quantize", k_quant_gguf, "--target-bpw", "5", "--sensitivity", kind, "--calib-windows", "4",
-                "--ctx", "64", "--out", out, "--json", env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
+                "--ctx", "64", "--decode-floor", "none", "--out", out, "--json", env={"QUANTGATE_CACHE": str(tmp_path / "cache")})
     assert r.returncode == 0, r.stderr[-2000:]
     s = json.loads(r.stdout)
     assert s["sensitivity_kind"] == kind and s["predicted_kld"] > 0
@@ -218,7 +218,7 @@ def test_auto_says_what_it_chose_and_why(k_quant_gguf, tmp_path):
     env = {"QUANTGATE_CACHE": str(tmp_path / "cache")}
     out = tmp_path / "auto.gguf"
     r = run_cli("quantize", k_quant_gguf, "--target-bpw", "5", "--calib-windows", "4", "--ctx", "64", "--out", out,
-                "--sensitivity-time", "30", "--json", env=env)
+                "--sensitivity-time", "30", "--decode-floor", "none", "--json", env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     s = json.loads(r.stdout)
     auto = s["sensitivity_auto"]
@@ -230,6 +230,40 @@ def test_auto_says_what_it_chose_and_why(k_quant_gguf, tmp_path):
     assert meta["quantgate.allocation.sensitivity"].contents() == s["sensitivity_kind"]
     assert meta["quantgate.allocation.sensitivity_auto"].contents().startswith(f"auto: {auto['chose']}")
     quick = run_cli("quantize", k_quant_gguf, "--target-bpw", "5", "--sensitivity-time", "0.001", "--out",
-                    tmp_path / "quick.gguf", "--json", env=env)
+                    tmp_path / "quick.gguf", "--json", env=env)  # the default floor too is off at that budget
     assert quick.returncode == 0, quick.stderr[-2000:]
     assert json.loads(quick.stdout)["sensitivity_kind"] == "proxy"
+
+
+def test_the_default_floor_is_the_standard_type_the_budget_names(k_quant_gguf, tmp_path):
+    """With nothing but a budget, the file is held to 1x the largest standard type whose own tensors fit it (the
+    file it would be compared with), and says so; where no standard type fits, no floor, and the file says why."""
+    from gguf import GGUFReader
+
+    from quantgate.formats.gguf import open_reader
+    from quantgate.quant.allocate import FLOOR_STANDARD
+    env = {"QUANTGATE_CACHE": str(tmp_path / "cache")}
+    out = tmp_path / "d.gguf"
+    r = run_cli("quantize", k_quant_gguf, "--target-bpw", "5", "--sensitivity", "gradient", "--calib-windows", "2",
+                "--ctx", "32", "--out", out, "--json", env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads(r.stdout)
+    auto, sizes = s["decode_floor_auto"], s["decode_floor_auto"]["standard_unit_bytes"]
+    tensors = open_reader(k_quant_gguf).tensors
+    total = sum(int(np.prod([int(d) for d in t.shape])) for t in tensors)
+    budget = int(5 * total / 8) - sum(int(t.n_bytes) for t in tensors if t.name not in s["types"])  # budget_from's
+    order = [t for t in FLOOR_STANDARD if sizes[t] is not None]
+    floor = auto["floor"]
+    assert floor in order and s["decode_floor"] == floor and sizes[floor] <= budget
+    assert all(sizes[t] > budget for t in order[order.index(floor) + 1:])  # the largest that fits
+    assert s["floor_recipe"] == floor or s["floor_checks"][-1]["met"]  # met by a file or by the type's own recipe
+    meta = GGUFReader(out).fields["quantgate.allocation.decode_floor"].contents()
+    assert meta.startswith(f"auto: {floor}")
+    assert not list(tmp_path.glob(".quantgate-*"))  # the standard files written to learn their sizes are gone
+    low = run_cli("quantize", k_quant_gguf, "--target-bpw", "3.2", "--sensitivity", "gradient", "--calib-windows",
+                  "2", "--ctx", "32", "--out", tmp_path / "low.gguf", "--json", env=env)
+    assert low.returncode == 0, low.stderr[-2000:]
+    lo = json.loads(low.stdout)
+    assert lo["decode_floor_auto"]["floor"] is None and "no standard type" in lo["decode_floor_auto"]["why"]
+    assert "decode_cost" not in lo
+    assert GGUFReader(tmp_path / "low.gguf").fields["quantgate.allocation.decode_floor"].contents().startswith("auto off")

@@ -53,7 +53,7 @@ from ..metrics import window_scores
 from ..progress import track
 from ..reference import cache_dir
 from ..runners.open import fixed_ctx, open_runner
-from .decode_cost import DecodeCost, floor_check, floor_missed, measure_decode_cost
+from .decode_cost import SPEED as DECODE_SPEED, DecodeCost, floor_check, floor_missed, measure_decode_cost
 from .llama_cpp import exact_overrides as overrides, importance_matrix, run_quantizer
 from .gradient import ALL_ELEMENTS as GRADIENT_ALL, ROWS as GRADIENT_ROWS, fisher_rows, pilot, predict_seconds
 from .proxy import (QUANTIZE_TIME, ROWS, QuantizeTime, proxy_deltas, quantize_speeds, quantize_time,
@@ -233,26 +233,79 @@ def choose_sensitivity(predicted: dict[str, float], gradient_at, n_windows: int,
     return ("gradient", fits[0]) if fits else ("proxy", n_windows)
 
 
-def auto_sensitivity(src: Path, units: list[Unit], n_windows: int, ctx: int, threads: int | None,
-                     seconds: float | None, factor: float | None) -> AutoChoice:
-    """Predict each sensitivity's time here from two short pilots (ggml's quantizers on PILOT_ROWS rows per tensor;
-    one block read and run over one window, quant.gradient.pilot) and choose (choose_sensitivity)."""
+def quantizer_speeds(src: Path, units: list[Unit], threads: int | None) -> dict[str, float]:
+    """Wall seconds per weight of each candidate type's ggml quantizer on `threads` (every core by default), timed on
+    PILOT_ROWS rows per tensor: what the auto choices predict a plain quantize and the probes from."""
     speeds = quantize_speeds(weight_errors(src, units, None, PILOT_ROWS, threads=threads))
     n = threads or os.cpu_count() or 1
-    rate = lambda t: speeds.get(t, max(speeds.values())) / n  # noqa: E731  wall seconds per weight
-    plain = sum(u.n_elements * rate(reference_type(u)) for u in units)
-    budget = auto_budget(seconds, factor, plain)
+    slowest = max(speeds.values())
+    return {t: speeds.get(t, slowest) / n for t in {*speeds, *(t for u in units for t in u.candidates()),
+                                                    *(reference_type(u) for u in units)}}
+
+
+def plain_quantize_s(units: list[Unit], rate: dict[str, float]) -> float:
+    """llama.cpp's quantizer with every tensor at Q4_K (Q5_0 on shorter rows), predicted: a plain Q4_K_M's bulk."""
+    return sum(u.n_elements * rate[reference_type(u)] for u in units)
+
+
+def auto_sensitivity(src: Path, units: list[Unit], n_windows: int, ctx: int, threads: int | None,
+                     rate: dict[str, float], budget: float) -> AutoChoice:
+    """Predict each sensitivity's time here from the quantizer speeds (quantizer_speeds) and one block read and run
+    over one window (quant.gradient.pilot), and choose (choose_sensitivity)."""
+    plain = plain_quantize_s(units, rate)
     p = pilot(src, ctx, threads)
     run = p["layers"] * p["forward_s"] * (1 + p["vocab"] / (12 * p["dim"]))  # one window, forward only
     errors = sum((u.n_elements if u.n_elements <= GRADIENT_ALL else GRADIENT_ROWS * u.row) *
-                 sum(rate(t) for t in u.candidates()) for u in units)
-    probe = sum(u.n_elements * rate(BASE) for u in units) + n_windows * run + PROBE_START_S
+                 sum(rate[t] for t in u.candidates()) for u in units)
+    probe = sum(u.n_elements * rate[BASE] for u in units) + n_windows * run + PROBE_START_S
     gradient_at = lambda k: predict_seconds(p, k) + errors  # noqa: E731
     measured = n_windows * run + (1 + sum(len(u.candidates()) - 1 for u in units)) * probe
     predicted = {"measured": measured, "calibrated": gradient_at(n_windows) + n_windows * run + (1 + len(units)) * probe,
                  "gradient": gradient_at(n_windows)}
     kind, k = choose_sensitivity(predicted, gradient_at, n_windows, budget)
     return AutoChoice(kind, k, budget, plain, predicted)
+
+
+# The default decode floor (`--decode-floor auto`): 1x the largest of these standard types whose own file fits the
+# budget, the type the budget would otherwise name, so that the default file decodes as fast as the file it is
+# compared with (without a floor, 16 of 32 allocated files in benchmarks/results/allocator.md decoded slower than
+# 0.95x of it). On where its files and timings are predicted to fit the sensitivity's time budget, else off and said.
+FLOOR_STANDARD = ("Q3_K_M", "Q4_K_S", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
+READ_BYTES_PER_S = 4e9  # decode's weight reads on a laptop CPU, for the auto floor's time prediction only
+
+
+def auto_floor(src: Path, units: list[Unit], unit_budget: int, rate: dict[str, float], budget_s: float,
+               threads: int | None, work: Path, im: dict | None) -> tuple[DecodeFloor | None, dict]:
+    """The default floor and what was decided: each standard type's file written by llama.cpp (to learn its types;
+    removed), the largest whose units fit `unit_budget` bytes as the floor, so that its own recipe is always a plan
+    that meets it (floor_plan); None where none fits (nothing standard to be as fast as) or where the floor's work is
+    predicted over `budget_s`."""
+    n = sum(u.n_elements for u in units)
+    kinds = {t for u in units for t in u.candidates()}
+    token_s = 0.6 * n / READ_BYTES_PER_S  # ~4.8 bits per weight read per token
+    tokens = (DECODE_SPEED["rounds"] + 1) * (DECODE_SPEED["prefill"] + DECODE_SPEED["decode"])
+    predicted = (len(FLOOR_STANDARD) * plain_quantize_s(units, rate) + (len(kinds) + 2) * n * rate[BASE]
+                 + (len(kinds) + 2 + 2 * FLOOR_TRIES) * tokens * token_s)
+    info = {"predicted_s": round(predicted, 1), "budget_s": round(budget_s, 1)}
+    if predicted > budget_s:
+        return None, {**info, "floor": None, "why": f"off: its files and timings are predicted at {predicted:.0f} s, "
+                                                     f"over the {budget_s:.0f} s budget"}
+    sizes = {}
+    for t in track(FLOOR_STANDARD, "decode floor: the standard types' sizes", total=len(FLOOR_STANDARD)):
+        fd, name = tempfile.mkstemp(prefix=".quantgate-std-", suffix=GGUF_SUFFIX, dir=work)
+        os.close(fd)
+        try:
+            got = recipe_types(units, run_quantizer(src, Path(name), t, [], im, threads=threads).tensor_types)
+            sizes[t] = (sum(u.bytes(got[u.name]) for u in units) if all(got[u.name] in u.candidates() for u in units)
+                        else None)  # a recipe with a type no unit could take is no plan: no floor of this
+        finally:
+            Path(name).unlink(missing_ok=True)
+    fits = [t for t in FLOOR_STANDARD if sizes[t] is not None and sizes[t] <= unit_budget]
+    info["standard_unit_bytes"] = sizes
+    if not fits:
+        return None, {**info, "floor": None, "why": "off: no standard type's file fits the budget"}
+    return DecodeFloor(reference=fits[-1]), {**info, "floor": fits[-1],
+                                             "why": f"{fits[-1]}, the largest standard type within the budget"}
 
 
 def proxy_sensitivity(src: Path, units: list[Unit], im: dict | None = None, rows: int | None = None,
@@ -348,17 +401,15 @@ def gradient_sensitivity(src: str | Path, units: list[Unit], calib_data: str = "
     return sens
 
 
-def calibrated_sensitivity(src: str | Path, units: list[Unit], grad: Sensitivity, near_bits: float,
-                           calib_data: str = "embedded", n_windows: int = 8, ctx: int = 128, seed: int = 0,
+def calibrated_sensitivity(src: str | Path, units: list[Unit], grad: Sensitivity, calib_data: str = "embedded", n_windows: int = 8, ctx: int = 128, seed: int = 0,
                            threads: int | None = None, work: Path | None = None, im: dict | None = None) -> Sensitivity:
     """The gradient's curve over types, each unit's scaled to its KLD measured at one type: the base file and one file
-    per unit (that unit alone at its candidate nearest `near_bits`, the budget, where the allocation's choices
-    are), instead of one per unit and type. A unit whose measured or predicted delta there is not positive takes the
-    median scale of the others. The base KLD is measured."""
+    per unit (that unit alone at the type a plain Q4_K_M gives most weights, proxy.reference_type: Q4_K, or Q5_0 on
+    shorter rows), instead of one per unit and type; one set of probes serves every budget. A unit whose measured
+    or predicted delta there is not positive takes the median scale of the others. The base KLD is measured."""
     src = Path(src)
     windows = _windows(src, calib_data, n_windows, ctx, seed)
-    probe = {u.name: min((t for t in u.candidates() if t != BASE), key=lambda t: abs(_bits(t) - near_bits),
-                         default=BASE) for u in units}
+    probe = {u.name: reference_type(u) if reference_type(u) in u.candidates() else BASE for u in units}
     cached = sensitivity_cache(src, units, windows, im, ("calibrated", probe, grad.to_dict()))
     if cached.is_file():
         return Sensitivity.from_dict(json.loads(cached.read_text()))
@@ -414,6 +465,12 @@ class Allocation:
     predicted_quantize_s: float | None = None  # with a quantize-time limit: llama.cpp's quantizer, predicted
 
 
+def recipe_types(units: list[Unit], written: dict[str, str | None]) -> dict[str, str | None]:
+    """A standard file's types as an assignment of the units: a tensor the file kept in float (llama.cpp's recipes
+    keep some small ones so, e.g. a qwen35 identity layer's ssm_alpha) at BASE instead, fewer bytes and no slower."""
+    return {u.name: BASE if written.get(u.name) in FLOAT_TYPES else written.get(u.name) for u in units}
+
+
 def recipe_plan(units: list[Unit], sens: Sensitivity, cost: DecodeCost | None, floor: DecodeFloor | None,
                 budget_bytes: int) -> Allocation | None:
     """The floor's own recipe as an allocation: the per-tensor types llama.cpp gave the floor's reference type on
@@ -422,7 +479,7 @@ def recipe_plan(units: list[Unit], sens: Sensitivity, cost: DecodeCost | None, f
     recipe does not fit the budget."""
     if cost is None or floor is None or floor.reference is None or floor.fraction > 1 or not cost.reference_types:
         return None
-    types = {u.name: cost.reference_types.get(u.name) for u in units}
+    types = recipe_types(units, cost.reference_types)
     if any(t not in u.candidates() or t not in sens.delta[u.name] for u in units for t in [types[u.name]]):
         return None
     if sum(u.bytes(types[u.name]) for u in units) > budget_bytes:
@@ -686,14 +743,15 @@ def budget_from(units: list[Unit], total_elements: int, other_bytes: int, header
 def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = None, target_bytes: int | None = None,
                   calib_data: str = "embedded", calib_windows: int = 8, ctx: int = 128, seed: int = 0,
                   threads: int | None = None, hold_gates: bool = False, imatrix: bool = False,
-                  decode_floor: DecodeFloor | None = None, sensitivity: str = "auto",
+                  decode_floor: DecodeFloor | str | None = "auto", sensitivity: str = "auto",
                   types: tuple[str, ...] = (), quantize_factor: float | None = None,
                   sensitivity_time: str | None = None) -> dict:
     """Write `out` from the F32/F16/BF16 GGUF `src` with per-tensor types chosen under the target (bits per weight
     over all tensors, or file bytes); `hold_gates` keeps the gate units at the allocation's base type (the A/B's
     held arm: the same budget, the gates given no more bits than most of the model); `imatrix`: every
     quantization, the measured ones and the written file, takes an importance matrix from the calibration windows;
-    `decode_floor`: the file's decode speed, predicted from per-type timings taken here with `threads`
+    `decode_floor`: the file's decode speed ("auto", the default: auto_floor; None: none), predicted from per-type
+    timings taken here with `threads`
     (quant.decode_cost), must not fall below it; `sensitivity`: "measured" (KLD per tensor and type), "gradient"
     (KLD predicted from the Fisher diagonal, quant.gradient), "calibrated" (the gradient scaled to one measured KLD
     per tensor), "proxy" (weight error, quant.proxy) or "auto" (the best whose predicted time fits
@@ -738,9 +796,12 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
     if sensitivity_time is not None and sensitivity != "auto":
         raise QuantgateError("--sensitivity-time is the time budget of --sensitivity auto")
     clock = _Phases()
-    choice = None
+    choice = floor_auto = None
+    if sensitivity == "auto" or decode_floor == "auto":
+        rate = quantizer_speeds(src, units, threads)
+        time_budget = auto_budget(seconds, factor_s, plain_quantize_s(units, rate))
     if sensitivity == "auto":
-        choice = auto_sensitivity(src, units, calib_windows, ctx, threads, seconds, factor_s)
+        choice = auto_sensitivity(src, units, calib_windows, ctx, threads, rate, time_budget)
         sensitivity, calib_windows = choice.kind, choice.windows
         clock.lap("auto choice")
     im = _importance(src, calib_data, calib_windows, ctx, seed) if imatrix else None
@@ -751,11 +812,15 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
     else:
         sens = gradient_sensitivity(src, units, calib_data, calib_windows, ctx, seed, threads, im)
         if sensitivity == "calibrated":
-            sens = calibrated_sensitivity(src, units, sens, _target_bits(target_bpw, target_bytes, total), calib_data,
-                                          calib_windows, ctx, seed, threads, out.parent, im)
+            sens = calibrated_sensitivity(src, units, sens, calib_data, calib_windows, ctx, seed, threads, out.parent,
+                                          im)
     units = [u for u in units if u.name in sens.delta]  # llama.cpp quantizes these
     clock.lap("sensitivity")
     cost = limit = None
+    if decode_floor == "auto":
+        decode_floor, floor_auto = auto_floor(src, units, budget_for(units), rate, time_budget, threads, out.parent,
+                                              im)
+        clock.lap("decode floor: standard sizes")
     if decode_floor is not None:
         kinds = tuple(sorted({t for u in units for t in u.candidates()}))
         cost = measure_decode_cost(src, units, BASE, kinds, decode_floor.reference, threads, out.parent, im)
@@ -829,10 +894,13 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
                     f"{META}.tensor_types": [f"{n}={t}" for n, t in plan.types.items()]}
             if choice is not None:
                 meta[f"{META}.sensitivity_auto"] = choice.words()
+            if floor_auto is not None and cost is None:
+                meta[f"{META}.decode_floor"] = f"auto {floor_auto['why']}"
             if measured:
                 meta[f"{META}.predicted_kld"] = float(plan.predicted_kld)
             if cost is not None:
-                meta[f"{META}.decode_floor"] = floor_words(decode_floor, plan, tries)
+                meta[f"{META}.decode_floor"] = (("auto: " if floor_auto else "")
+                                                + floor_words(decode_floor, plan, tries))
                 meta[f"{META}.predicted_decode_tps"] = float(1 / plan.predicted_decode_s)
             quant = quant_for(units)
             if quant is not None:
@@ -847,6 +915,7 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
     summary = {"src": str(src), "out": str(out), "target_bpw": target_bpw, "target_bytes": target_bytes,
                "bytes": out.stat().st_size, "bits_per_weight": round(written.bits_per_weight, 4),
                "sensitivity_kind": sens.kind, **({"sensitivity_auto": choice.to_dict()} if choice else {}),
+               **({"decode_floor_auto": floor_auto} if floor_auto else {}),
                "predicted_kld": plan.predicted_kld if measured else None,
                **({} if measured else {"predicted_proxy_error": plan.predicted_kld}),
                "hold_gates": hold_gates, "imatrix": imatrix, "types_allowed": list(types) or "all",
@@ -886,11 +955,6 @@ def floor_words(floor: DecodeFloor, plan: Allocation, tries: list[dict], what: s
     c = tries[-1]
     return (f"{floor} ({c['floor_tps']:.4g} tok/s here; the {what} measured {c['written_tps']:.4g}, median "
             f"per-round ratio {c['ratio_median']:.3f} over {c['rounds']} rounds)")
-
-
-def _target_bits(target_bpw: float | None, target_bytes: int | None, total_elements: int) -> float:
-    """The target in bits per weight (a file size over the model's weights)."""
-    return target_bpw if target_bpw is not None else 8 * target_bytes / total_elements
 
 
 def _check_types(mismatch: dict) -> None:
