@@ -426,6 +426,9 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
                    "minute more, predicted from each type's quantizer timed on the proxy's sampled rows (default 1.5; "
                    "0: no limit). IQ4_XS quantizes about 3x slower than Q4_K: unlimited, a 9B allocation took 2.1x a "
                    "plain quantize. The allocation's JSON says what the limit cost in predicted error")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="with --target-bpw/--target-size on a GGUF: where the measured and calibrated sensitivities' probes "
+                   "run: here, or as tasks on the Ray cluster at RAY_ADDRESS (every node seeing the same files)")
 @click.option("--out", default=None, type=click.Path(), help="output model directory (torch, ONNX) or .gguf file")
 @click.option("--calib-data", default="embedded", show_default=True,
               help="calibration text (the embedded corpus's valid split; never its test split)")
@@ -439,8 +442,8 @@ def _print_schemes(backend: str | None, as_json: bool, model: str | None = None)
               help="torch: run the model one decoder block at a time and write the output as it goes (what a model "
                    "too large for memory gets anyway); the same file, one block's weights resident")
 def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, imatrix, gate_bits, target_bpw,
-             target_size, hold_gates, sensitivity, sensitivity_time, decode_floor, alloc_types, quantize_factor, out,
-             calib_data, calib_windows, ctx, seed, threads, layerwise):
+             target_size, hold_gates, sensitivity, sensitivity_time, decode_floor, alloc_types, quantize_factor,
+             executor, out, calib_data, calib_windows, ctx, seed, threads, layerwise):
     """Quantize MODEL: a model directory under a named PyTorch scheme (writes a loadable checkpoint that
     records the scheme), a .gguf with llama.cpp's own quantizer (--type), or an ONNX export with
     onnxruntime.quantization (--scheme int8-dynamic|int8-static|int8-weight|int4). Every scheme is a row of
@@ -460,7 +463,7 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
         backend = {"gguf": "llama.cpp", "onnx": "onnxruntime", "hf": "torch"}[artifact_kind(model)]
     for flag, given in (("--hold-gates", hold_gates), ("--decode-floor", decode_floor),
                         ("--sensitivity", sensitivity != "auto"), ("--types", alloc_types),
-                        ("--sensitivity-time", sensitivity_time),
+                        ("--sensitivity-time", sensitivity_time), ("--executor", executor != "local"),
                         ("--quantize-time", quantize_factor is not None)):
         if given and target_bpw is None and target_size is None:
             raise QuantgateError(f"{flag} applies to an allocation: add --target-bpw or --target-size")
@@ -474,7 +477,7 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
             for flag, given in (("--target-size", target_size), ("--imatrix", imatrix), ("--types", alloc_types),
                                 ("--decode-floor", decode_floor), ("--layerwise", layerwise),
                                 ("--quantize-time", quantize_factor is not None),
-                                ("--sensitivity-time", sensitivity_time)):
+                                ("--sensitivity-time", sensitivity_time), ("--executor", executor != "local")):
                 if given:
                     raise QuantgateError(f"{flag} does not apply to a torch allocation (--target-bpw on a model "
                                          f"directory: its checkpoint stores rounded weights in float, with no integer "
@@ -487,7 +490,7 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
         if backend == "onnxruntime":
             for flag, given in (("--imatrix", imatrix), ("--types", alloc_types),
                                 ("--quantize-time", quantize_factor is not None),
-                                ("--sensitivity-time", sensitivity_time)):
+                                ("--sensitivity-time", sensitivity_time), ("--executor", executor != "local")):
                 if given:
                     raise QuantgateError(f"{flag} applies to a GGUF allocation (an ONNX allocation chooses MatMulNBits "
                                          f"bits and block sizes)")
@@ -507,7 +510,7 @@ def quantize(model, list_schemes, as_json, backend, scheme, block_size, qtype, i
                  None if decode_floor.strip().lower() == "none" else parse_floor(decode_floor))
         summary = allocate_gguf(model, out, target_bpw, parse_size(target_size) if target_size else None, calib_data,
                                 calib_windows, ctx, seed, threads, hold_gates, imatrix == "auto", floor, sensitivity,
-                                parse_types(alloc_types), quantize_factor, sensitivity_time)
+                                parse_types(alloc_types), quantize_factor, sensitivity_time, executor)
         _emit(summary if as_json else {k: v for k, v in summary.items() if k not in ("sensitivity", "decode_cost")},
               as_json)
         return

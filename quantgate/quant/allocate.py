@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from ..calib_data import calibration_windows, check_ctx, data_paths
 from ..errors import QuantgateError
+from ..executor import LocalExecutor, Needs, open_executor
 from ..formats import load_checkpoint
 from ..formats.gguf_metadata import copy_with_metadata
 from ..formats.kind import GGUF_SUFFIX
@@ -324,40 +326,65 @@ def _windows(src: Path, calib_data: str, n_windows: int, ctx: int, seed: int) ->
     return calibration_windows(tokenizer_from_gguf(open_reader(src)), calib_data, n_windows, ctx, seed)
 
 
+def probe_kld(assign: dict[str, str], src: Path, windows: np.ndarray, ref: np.ndarray, threads: int | None,
+              work: Path, im: dict | None) -> tuple[float, dict[str, str]]:
+    """One probe: the file llama.cpp's quantizer writes with `assign` (in `work`, removed after), its mean KLD against
+    the source's logits `ref` on `windows`, and the types it wrote. A function of its arguments alone, so that it runs
+    as a task anywhere (quantgate.executor)."""
+    fd, name = tempfile.mkstemp(prefix=".quantgate-sens-", suffix=GGUF_SUFFIX, dir=work)  # a name no one else has
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        written = run_quantizer(src, tmp, BASE, overrides(assign), im, threads=threads)
+        lg = _logits(tmp, windows, threads)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return (float(np.mean([window_scores(ref[i], lg[i], windows[i])["kld"].mean() for i in range(len(windows))])),
+            written.tensor_types)
+
+
 class _Probes:
     """KLD of files written by llama.cpp's quantizer with given per-tensor types, against the source's own logits on
     the calibration windows: one quantization and one scored run per assignment (the measured sensitivity's unit of
-    work, and the calibrated one's)."""
+    work, and the calibrated one's), each a task of `executor` (quantgate.executor: here, or on a Ray cluster). The
+    probes' files go in a scratch folder of this run's own, removed at the end, so that a task whose worker died
+    leaves nothing behind."""
 
-    def __init__(self, src: Path, windows: np.ndarray, threads: int | None, work: Path | None, im: dict | None):
+    def __init__(self, src: Path, windows: np.ndarray, threads: int | None, work: Path | None, im: dict | None,
+                 executor=None):
         self.src, self.windows, self.threads, self.im = src, windows, threads, im
         self.ref = _logits(src, windows, threads)
-        self.work = Path(work or cache_dir())
-        self.work.mkdir(parents=True, exist_ok=True)
+        self.executor = executor or LocalExecutor()
+        root = Path(work or cache_dir())
+        root.mkdir(parents=True, exist_ok=True)
+        self.work = Path(tempfile.mkdtemp(prefix=".quantgate-probes-", dir=root))
 
-    def kld(self, assign: dict[str, str]) -> tuple[float, dict[str, str]]:
-        fd, name = tempfile.mkstemp(prefix=".quantgate-sens-", suffix=GGUF_SUFFIX, dir=self.work)  # no one else's
-        os.close(fd)
-        tmp = Path(name)
-        try:
-            written = run_quantizer(self.src, tmp, BASE, overrides(assign), self.im, threads=self.threads)
-            lg = _logits(tmp, self.windows, self.threads)
-        finally:
-            tmp.unlink(missing_ok=True)
-        w = self.windows
-        return (float(np.mean([window_scores(self.ref[i], lg[i], w[i])["kld"].mean() for i in range(len(w))])),
-                written.tensor_types)
+    def close(self) -> None:
+        shutil.rmtree(self.work, ignore_errors=True)  # this run's own scratch folder
+
+    def __enter__(self) -> "_Probes":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def klds(self, assigns: list[dict[str, str]], label: str | None = None) -> list[tuple[float, dict[str, str]]]:
+        size = self.src.stat().st_size
+        needs = Needs(cpus=self.threads or 1, memory=int(2.5 * size + self.ref.nbytes))
+        return self.executor.map(probe_kld, assigns, needs, label,
+                                 shared=dict(src=self.src, windows=self.windows, ref=self.ref, threads=self.threads,
+                                             work=self.work, im=self.im))
 
     def base(self, units: list[Unit]) -> tuple[float, list[Unit]]:
         """The base file's KLD (every unit at BASE) and the units llama.cpp did quantize there (what it leaves in
         float is no unit)."""
-        base_kld, types = self.kld({u.name: BASE for u in units})
+        base_kld, types = self.klds([{u.name: BASE for u in units}])[0]
         return base_kld, [u for u in units if types.get(u.name) == BASE]
 
 
 def measure_sensitivity(src: str | Path, units: list[Unit], calib_data: str = "embedded", n_windows: int = 8,
                         ctx: int = 128, seed: int = 0, threads: int | None = None,
-                        work: Path | None = None, im: dict | None = None) -> Sensitivity:
+                        work: Path | None = None, im: dict | None = None, executor=None) -> Sensitivity:
     """Each unit's KLD increase over the base file when it alone takes each candidate type (see the module
     docstring), cached by content. `im`: the importance matrix every quantization takes (the file will be written
     with it, so its sensitivity is measured with it)."""
@@ -366,13 +393,14 @@ def measure_sensitivity(src: str | Path, units: list[Unit], calib_data: str = "e
     cached = sensitivity_cache(src, units, windows, im)
     if cached.is_file():
         return Sensitivity.from_dict(json.loads(cached.read_text()))
-    probes = _Probes(src, windows, threads, work, im)
-    base_kld, units = probes.base(units)
-    base = {u.name: BASE for u in units}
-    runs = [(u, t) for u in units for t in u.candidates() if t != BASE]
+    with _Probes(src, windows, threads, work, im, executor) as probes:
+        base_kld, units = probes.base(units)
+        base = {u.name: BASE for u in units}
+        runs = [(u, t) for u in units for t in u.candidates() if t != BASE]
+        got = probes.klds([{**base, u.name: t} for u, t in runs], "sensitivity: one unit at a time")
     delta: dict[str, dict[str, float]] = {u.name: {BASE: 0.0} for u in units}
-    for u, t in track(runs, "sensitivity: one unit at a time", total=len(runs)):
-        delta[u.name][t] = probes.kld({**base, u.name: t})[0] - base_kld
+    for (u, t), (kld, _types) in zip(runs, got):
+        delta[u.name][t] = kld - base_kld
     sens = Sensitivity(base_kld, delta, len(windows), ctx, calib_data)
     write_json(cached, sens.to_dict())
     return sens
@@ -402,7 +430,8 @@ def gradient_sensitivity(src: str | Path, units: list[Unit], calib_data: str = "
 
 
 def calibrated_sensitivity(src: str | Path, units: list[Unit], grad: Sensitivity, calib_data: str = "embedded", n_windows: int = 8, ctx: int = 128, seed: int = 0,
-                           threads: int | None = None, work: Path | None = None, im: dict | None = None) -> Sensitivity:
+                           threads: int | None = None, work: Path | None = None, im: dict | None = None,
+                           executor=None) -> Sensitivity:
     """The gradient's curve over types, each unit's scaled to its KLD measured at one type: the base file and one file
     per unit (that unit alone at the type a plain Q4_K_M gives most weights, proxy.reference_type: Q4_K, or Q5_0 on
     shorter rows), instead of one per unit and type; one set of probes serves every budget. A unit whose measured
@@ -413,11 +442,12 @@ def calibrated_sensitivity(src: str | Path, units: list[Unit], grad: Sensitivity
     cached = sensitivity_cache(src, units, windows, im, ("calibrated", probe, grad.to_dict()))
     if cached.is_file():
         return Sensitivity.from_dict(json.loads(cached.read_text()))
-    probes = _Probes(src, windows, threads, work, im)
-    base_kld, units = probes.base(units)
-    base = {u.name: BASE for u in units}
-    measured = {u.name: probes.kld({**base, u.name: probe[u.name]})[0] - base_kld if probe[u.name] != BASE else 0.0
-                for u in track(units, "sensitivity: one unit at one type", total=len(units))}
+    with _Probes(src, windows, threads, work, im, executor) as probes:
+        base_kld, units = probes.base(units)
+        base = {u.name: BASE for u in units}
+        asked = [u for u in units if probe[u.name] != BASE]
+        got = probes.klds([{**base, u.name: probe[u.name]} for u in asked], "sensitivity: one unit at one type")
+    measured = {u.name: 0.0 for u in units} | {u.name: kld - base_kld for u, (kld, _t) in zip(asked, got)}
     ratio = {n: m / grad.delta[n][probe[n]] for n, m in measured.items()
              if m > 0 and grad.delta[n].get(probe[n], 0) > 0}
     typical = float(np.median(list(ratio.values()))) if ratio else 1.0
@@ -745,7 +775,7 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
                   threads: int | None = None, hold_gates: bool = False, imatrix: bool = False,
                   decode_floor: DecodeFloor | str | None = "auto", sensitivity: str = "auto",
                   types: tuple[str, ...] = (), quantize_factor: float | None = None,
-                  sensitivity_time: str | None = None) -> dict:
+                  sensitivity_time: str | None = None, executor: str | None = None) -> dict:
     """Write `out` from the F32/F16/BF16 GGUF `src` with per-tensor types chosen under the target (bits per weight
     over all tensors, or file bytes); `hold_gates` keeps the gate units at the allocation's base type (the A/B's
     held arm: the same budget, the gates given no more bits than most of the model); `imatrix`: every
@@ -756,6 +786,7 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
     (KLD predicted from the Fisher diagonal, quant.gradient), "calibrated" (the gradient scaled to one measured KLD
     per tensor), "proxy" (weight error, quant.proxy) or "auto" (the best whose predicted time fits
     `sensitivity_time`: parse_sensitivity_time, default AUTO_FACTOR x a plain quantize, at least AUTO_MIN_S);
+    `executor` ("local" or "ray": quantgate.executor) runs the measured and calibrated probes;
     `types`: the candidate types allowed (parse_types; empty: all), e.g. leaving out IQ4_XS, whose quantizer is about
     3x slower than Q4_K's and whose CPU decode is slower than its size suggests; `quantize_factor` (default
     QUANTIZE_TIME; 0: no limit): with the proxy, which times each type's quantizer on its sampled rows, llama.cpp's
@@ -793,6 +824,7 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
     if sensitivity not in SENSITIVITIES:
         raise QuantgateError(f"--sensitivity must be one of {', '.join(SENSITIVITIES)}, got {sensitivity!r}")
     seconds, factor_s = parse_sensitivity_time(sensitivity_time)
+    executor = open_executor(executor)  # a cluster that cannot be joined is refused before any work
     if sensitivity_time is not None and sensitivity != "auto":
         raise QuantgateError("--sensitivity-time is the time budget of --sensitivity auto")
     clock = _Phases()
@@ -808,12 +840,12 @@ def allocate_gguf(src: str | Path, out: str | Path, target_bpw: float | None = N
     if sensitivity == "proxy":
         sens = proxy_sensitivity(src, units, im, seed=seed, threads=threads)
     elif sensitivity == "measured":
-        sens = measure_sensitivity(src, units, calib_data, calib_windows, ctx, seed, threads, out.parent, im)
+        sens = measure_sensitivity(src, units, calib_data, calib_windows, ctx, seed, threads, out.parent, im, executor)
     else:
         sens = gradient_sensitivity(src, units, calib_data, calib_windows, ctx, seed, threads, im)
         if sensitivity == "calibrated":
             sens = calibrated_sensitivity(src, units, sens, calib_data, calib_windows, ctx, seed, threads, out.parent,
-                                          im)
+                                          im, executor)
     units = [u for u in units if u.name in sens.delta]  # llama.cpp quantizes these
     clock.lap("sensitivity")
     cost = limit = None
