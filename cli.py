@@ -768,8 +768,11 @@ def attribute(model, scheme, data, n_windows, calib_windows, ctx, json_out):
               help="the two models are not twins (other layers or another tokenizer, e.g. Qwen/Qwen3-0.6B beside "
                    "Qwen/Qwen3.5-0.8B): each is still scored against its own float model, and the comparisons resample "
                    "each model's windows on their own instead of pairing them")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="where the cells run: here, or as tasks on the Ray cluster at RAY_ADDRESS (every node seeing the "
+                   "same files; the speed columns are then timed on this process's node, one artifact at a time)")
 @click.option("--out", required=True, type=click.Path(), help="report directory (cells/, artifacts/, plots/, report.*)")
-def report(models, data, backends, schemes, windows, ctx, calib_windows, threads, unpaired, out):
+def report(models, data, backends, schemes, windows, ctx, calib_windows, threads, unpaired, executor, out):
     """Accuracy against bits for the twins side by side, per backend and scheme, with their outliers, the
     per-layer link between activation size and quantization error, gate survival and a conclusion written
     from the numbers. Re-running reuses every finished cell."""
@@ -785,7 +788,7 @@ def report(models, data, backends, schemes, windows, ctx, calib_windows, threads
                 raise QuantgateError(f"--schemes item {item!r} is not backend:scheme for one of {', '.join(bks)}")
             sch[b].append(name)
     settings = ReportSettings(models[0][0], models[0][1], out, data, bks, sch, windows, ctx, calib_windows,
-                              threads=threads, unpaired=unpaired)
+                              threads=threads, unpaired=unpaired, executor=executor)
     rep = run_report(settings) if len(models) == 1 else run_seeds_report(list(models), settings)
     for line in rep["conclusion"]:
         click.echo(f"- {line}")

@@ -51,6 +51,7 @@ def _sens(r) -> dict:
     return json.loads(r.stdout)["sensitivity"]
 
 
+@pytest.mark.slow  # a real two-node cluster: minutes
 def test_measured_probes_on_two_nodes_give_the_local_numbers(cluster, small_gguf, tmp_path):
     c, _worker = cluster
     local = _sens(run_cli("quantize", small_gguf, *ARGS, "--out", tmp_path / "l.gguf",
@@ -66,6 +67,7 @@ def test_measured_probes_on_two_nodes_give_the_local_numbers(cluster, small_gguf
     assert not list(tmp_path.glob(".quantgate-*"))
 
 
+@pytest.mark.slow  # a real two-node cluster: minutes
 def test_a_worker_node_killed_mid_run_still_ends_with_every_probe(cluster, small_gguf, tmp_path):
     c, worker = cluster
     env = {**os.environ, "QUANTGATE_CACHE": str(tmp_path / "c"), "RAY_ADDRESS": c.address, "QUANTGATE_PROGRESS": "0"}
@@ -94,3 +96,61 @@ def test_no_cluster_to_join_is_one_line_and_writes_nothing(small_gguf, tmp_path,
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr[-2000:]
     assert not list(tmp_path.iterdir())
+
+
+REPORT = ("--backends", "torch,gguf", "--schemes", "torch:w4a16-g32,gguf:Q4_0,gguf:Q8_0", "--windows", "4", "--ctx",
+          "64", "--calib-windows", "2")
+
+
+def _report(d, out, env, *extra):
+    r = run_cli("report", "--models", d / "baseline", d / "gated", "--data", d / "text.txt", *REPORT, *extra,
+                "--out", out, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads((out / "report.json").read_text())
+
+
+ACCURACY = ("kld_mean", "top1_agreement", "delta_ppl_pct", "ppl", "bits_per_weight")
+
+
+@pytest.mark.slow  # a real two-node cluster: minutes
+def test_a_report_on_two_nodes_gives_the_local_numbers_and_survives_a_node_killed_mid_run(cluster, tmp_path):
+    """2 twins x 4 cells (torch fp32 and w4a16-g32, GGUF Q4_0 and Q8_0) locally and on the cluster: every accuracy
+    number within 1e-6; the speed columns timed on one node, named; then the same report again into a new folder
+    with the worker node killed while its cells run: every cell still there, the same numbers, no partial artifact."""
+    from conftest import save_tiny_twins
+    c, worker = cluster
+    d = save_tiny_twins(tmp_path / "w")
+    local = _report(d, tmp_path / "local", {"QUANTGATE_CACHE": str(tmp_path / "c1")})
+    env = {"QUANTGATE_CACHE": str(tmp_path / "c2"), "RAY_ADDRESS": c.address}
+    on_ray = _report(d, tmp_path / "ray", env, "--executor", "ray")
+    assert set(on_ray["cells"]) == set(local["cells"]) and len(local["cells"]) == 8
+    for name, cell in local["cells"].items():
+        for k in ACCURACY:
+            if k in cell:
+                assert on_ray["cells"][name][k] == pytest.approx(cell[k], rel=1e-6, abs=1e-12), (name, k)
+        assert ("decode_tps" in cell) == ("decode_tps" in on_ray["cells"][name]), name
+    ex = on_ray["executor"]
+    assert ex["name"] == "ray" and len(ex["nodes"]) == 2 and ex["speed_node"]
+    assert local["executor"]["name"] == "local"
+
+    env = {**os.environ, "QUANTGATE_CACHE": str(tmp_path / "c3"), "RAY_ADDRESS": c.address, "QUANTGATE_PROGRESS": "0"}
+    args = [sys.executable, "-m", "quantgate.cli", "report", "--models", str(d / "baseline"), str(d / "gated"),
+            "--data", str(d / "text.txt"), *REPORT, "--executor", "ray", "--out", str(tmp_path / "killed")]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    deadline = time.time() + 300
+    while time.time() < deadline and not list((tmp_path / "killed" / "artifacts").glob("gguf/*F32.gguf")):
+        time.sleep(1)  # the cells' tasks start once the exports exist
+    time.sleep(3)
+    assert proc.poll() is None, "the report ended before the node could be killed"
+    c.remove_node(worker)
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    killed = json.loads((tmp_path / "killed" / "report.json").read_text())
+    assert set(killed["cells"]) == set(local["cells"])
+    for name, cell in local["cells"].items():
+        for k in ACCURACY:
+            if k in cell:
+                assert killed["cells"][name][k] == pytest.approx(cell[k], rel=1e-6, abs=1e-12), (name, k)
+    keys = json.loads((tmp_path / "killed" / "artifacts" / "keys.json").read_text())
+    assert set(keys) == set(killed["artifacts"]) and all((tmp_path / "killed" / "artifacts" / k).exists() for k in keys)
+    c.add_node(num_cpus=1)

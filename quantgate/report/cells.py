@@ -13,7 +13,7 @@ from ..export.gguf import export_checkpoint as export_gguf
 from ..export.onnx import export_checkpoint as export_onnx
 from ..formats import inspect_gguf, load_checkpoint
 from ..formats.onnx_io import onnx_bytes
-from ..fsio import interrupts, write_json
+from ..fsio import atomic_file, interrupts, write_json
 from ..gate_survival import check_gate_survival
 from ..identity import key as ident_key
 from ..info import model_info
@@ -30,28 +30,41 @@ PREFILL = 128     # the speed runs prefill this many tokens, then decode the res
 
 
 class Artifacts:
-    """Exported and quantized files under OUT/artifacts, each reused only while the key of what produced it
-    (recorded in artifacts/keys.json once it is complete) still matches; otherwise it is built again."""
+    """Exported and quantized files under OUT/artifacts, each reused only while the key of what produced it still
+    matches; otherwise it is built again. Each key is its own file (OUT/artifacts/.keys/), written once the artifact
+    is complete, so that cells built side by side (report --executor ray) never write over each other's;
+    artifacts/keys.json is the index of them all, written by the run."""
 
     def __init__(self, root: Path):
-        self.root, self.file = root, root / "keys.json"
-        self.keys: dict = {}
-        if self.file.is_file():
-            with contextlib.suppress(ValueError, OSError):
-                d = json.loads(self.file.read_text())
-                self.keys = d if isinstance(d, dict) else {}
+        self.root, self.file, self.dir = root, root / "keys.json", root / ".keys"
         self.log: dict[str, dict] = {}
+
+    def _key_file(self, rel: str) -> Path:
+        return self.dir / (rel.replace("/", "__") + ".key")
+
+    def key_of(self, rel: str) -> str | None:
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            return self._key_file(rel).read_text()
+        return None
 
     def get(self, path: Path, k: str, build) -> Path:
         rel = path.relative_to(self.root).as_posix()
-        if self.keys.get(rel) == k and path.exists():
+        if self.key_of(rel) == k and path.exists():
             self.log.setdefault(rel, {"key": k, "built": False})  # built earlier in this run stays "built"
             return path
+        self._key_file(rel).unlink(missing_ok=True)  # no key while it is rebuilt: an interrupted build is not reused
         build(path)
-        self.keys[rel] = k
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with atomic_file(self._key_file(rel), "w") as f:
+            f.write(k)
         self.log[rel] = {"key": k, "built": True}
-        write_json(self.file, self.keys)
         return path
+
+    def write_index(self) -> None:
+        """artifacts/keys.json: every artifact's key, from the key files."""
+        keys = {f.name[:-4].replace("__", "/"): f.read_text() for f in sorted(self.dir.glob("*.key"))} \
+            if self.dir.is_dir() else {}
+        write_json(self.file, keys)
 
 
 def cached(path: Path, k: str, compute, label: str, timings: dict) -> dict:
@@ -117,11 +130,9 @@ def onnx_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, sc
         k = ident_key("onnx", k32, scheme, ident.calibration(s) if sch.needs_calibration else None)
         art = arts.get(arts.root / "onnx" / f"{twin}-{scheme}", k, lambda p: quantize(fp32, sch, p, _calib(s)))
     ev = evaluate_model(str(art), s.data, s.ctx, max_windows=s.windows, reference=src, threads=s.threads)
-    with open_runner(str(art), fixed_ctx(BENCH_TOKENS, art), threads=s.threads).runner as r:
-        speed = _speed(r, ids, "f32")
     n = load_checkpoint(src).model.num_params()
     size = onnx_bytes(art)
-    return {**_metrics(ev), "bytes": size, "bits_per_weight": 8 * size / n, **speed, "artifact": str(art)}
+    return {**_metrics(ev), "bytes": size, "bits_per_weight": 8 * size / n, "artifact": str(art), "speed_kv": "f32"}
 
 
 def gguf_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, scheme: str, ids: list[int]) -> dict:
@@ -139,24 +150,36 @@ def gguf_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, sc
                        lambda p: quantize(f32, sch, p, _calib(s), threads=s.threads))
     ev = evaluate_model(str(art), s.data, s.ctx, max_windows=s.windows, reference=src, kv_type=kv, threads=s.threads)
     speed_kv = kv if kv != "f32" else "f16"  # llama.cpp's default: what a user runs (scored at f32 for parity)
-    with open_runner(str(art), fixed_ctx(max(s.ctx, BENCH_TOKENS), art), kv_type=speed_kv, threads=s.threads,
-                     logits_all=False).runner as r:
-        speed = _speed(r, ids, speed_kv)
     info = inspect_gguf(art)
     return {**_metrics(ev), "bytes": info.n_bytes, "bits_per_weight": info.bits_per_weight, "kv_type": kv,
-            "kv_rotation": ev["kv_rotation"], **speed, "artifact": str(art)}
+            "kv_rotation": ev["kv_rotation"], "artifact": str(art), "speed_kv": speed_kv}
+
+
+def cell_speed(s: ReportSettings, backend: str, cell: dict, ids: list[int]) -> dict:
+    """A scored cell's prefill and decode speed (ONNX and GGUF artifacts; the torch rows are timed on the float
+    model alone), by the runners' one bench protocol: timed apart from the scoring, so that a cluster run times every
+    artifact on one node, one at a time."""
+    if backend not in ("onnx", "gguf") or "artifact" not in cell:
+        return {}
+    art = Path(cell["artifact"])
+    kw = dict(kv_type=cell["speed_kv"], logits_all=False) if backend == "gguf" else {}
+    with open_runner(str(art), fixed_ctx(max(s.ctx, BENCH_TOKENS) if backend == "gguf" else BENCH_TOKENS, art),
+                     threads=s.threads, **kw).runner as r:
+        return _speed(r, ids, cell["speed_kv"])
 
 
 CELLS = {"torch": torch_cell, "onnx": onnx_cell, "gguf": gguf_cell}  # backend -> how its cells are built and scored
 
 
 def score_cell(s: ReportSettings, ident: Identity, arts: Artifacts, backend: str, twin: str, scheme: str,
-               ids: list[int]) -> dict:
+               ids: list[int], speed: bool = True) -> dict:
     """One cell's numbers; a configuration this model cannot take is recorded as {"error": ...}, not fatal.
     A gated artifact also gets its gate-survival check (do the quantized gates still open and close as the
-    float ones do)."""
+    float ones do). `speed` False: no timing (the cluster run times the cells apart, cell_speed)."""
     try:
         cell = CELLS[backend](s, ident, arts, twin, scheme, ids)
+        if speed:
+            cell.update(cell_speed(s, backend, cell, ids))
     except DiskFull:
         raise
     except QuantgateError as e:

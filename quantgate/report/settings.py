@@ -43,6 +43,7 @@ class ReportSettings:
     threads: int | None = None
     recipe_note: str | None = None      # why the twins were trained as they were (the demo says so here)
     unpaired: bool = False              # two models that are not twins (other layers or tokenizer): unpaired intervals
+    executor: str = "local"             # where the cells run (quantgate.executor); not part of any key
 
 
 @dataclass
