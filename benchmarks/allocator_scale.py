@@ -263,6 +263,7 @@ def main() -> None:
     ap.add_argument("--keep-run", default=None, help="train the twins into this folder once and reuse them")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
+    ap.add_argument("--twins", default="baseline,gated", help="the twins to run (the others keep their rows)")
     ap.add_argument("--tables-only", action="store_true", help="rewrite the .md and .png from the JSON")
     args = ap.parse_args()
     result = json.loads(OUT.read_text()) if OUT.is_file() else {"pairs": {}}
@@ -286,7 +287,8 @@ def main() -> None:
             entry["twins"][names.index(twin["twin"])] = twin
         else:
             entry["twins"].append(twin)
-        merged = merge(old, entry) if old and set(methods) != set(METHODS) else entry
+        merged = merge(old, entry) if old and (set(methods) != set(METHODS) or args.twins != "baseline,gated") \
+            else entry
         apply_holm(merged)
         result["pairs"][args.pair] = merged
         OUT.write_text(json.dumps(result, indent=1))
@@ -298,7 +300,7 @@ def main() -> None:
         if not (run / "gated").is_dir():
             cli("train", *PAIRS[args.pair], "--out", run)
         cache = run.parent / f"{run.name}-cache" if args.keep_run else work / "cache"
-        for name in ("baseline", "gated"):
+        for name in args.twins.split(","):
             run_twin(work, name, run / name, cache, methods, budgets, save)
     entry["partial"] = False
     save(entry["twins"][-1])
