@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -44,6 +45,7 @@ from provenance import provenance  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 OUT = RESULTS / "allocator_scale.json"
+COST_OUT = RESULTS / "allocator_scale_cost.json"  # apart: a cost run and a pair's run may write at the same time
 BUDGETS = (4.25, 4.5, 5.0, 5.5, 6.5)
 METHODS = {"gradient": ["--sensitivity", "gradient"], "auto": [], "auto@9B-budget": ["--sensitivity-time", "0.5x"],
            "calibrated": ["--sensitivity", "calibrated"], "proxy": ["--sensitivity", "proxy"],
@@ -225,6 +227,21 @@ def write_markdown(result: dict) -> None:
                          f"both goals; KLD alone {sum(r['kld_ratio_vs_standard']['ratio'] <= GOAL_KLD and r['kld_ratio_vs_standard']['ci95'][1] < 1 and r['kld_ratio_vs_standard'].get('holm_kept', False) for r in rows)}; "
                          f"decode alone {sum(r['speed_vs_standard']['decode']['ratio_median'] >= GOAL_DECODE for r in rows)}")
         lines.append("")
+    cost = json.loads(COST_OUT.read_text()) if COST_OUT.is_file() else {}
+    if cost:
+        lines += ["## Cost at Qwen3.5 shapes (random bf16 weights)", "",
+                  "Each command in its own process; seconds and peak RSS of its largest process; the allocation at "
+                  "the plain Q4_K_M file's size.", "",
+                  "| shape | plain Q4_K_M s, GB | arm | chose | s | peak GB | time ratio | peak ratio | phases (s) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for shape, c in cost.items():
+            pl = c["plain"]
+            for arm, a in c.get("arms", {}).items():
+                lines.append(f"| {shape} | {pl['seconds']:.0f}, {pl['peak_rss'] / 1e9:.2f} | {arm} | "
+                             f"{a.get('sensitivity_kind', 'failed')} | {a['seconds']:.0f} | {a['peak_rss'] / 1e9:.2f} | "
+                             f"{a['time_ratio']:.2f} | {a['peak_ratio']:.2f} | {a.get('phases')} |")
+            pv = c["provenance"]
+            lines.append(f"\n`{pv['command']}` at {pv['commit']}{' (dirty)' if pv['dirty'] else ''}, {pv['date']}\n")
     (RESULTS / "allocator_scale.md").write_text("\n".join(lines))
 
 
@@ -259,14 +276,23 @@ def plot(result: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pair", choices=sorted(PAIRS), required=True)
+    ap.add_argument("--pair", choices=sorted(PAIRS))
     ap.add_argument("--keep-run", default=None, help="train the twins into this folder once and reuse them")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     ap.add_argument("--twins", default="baseline,gated", help="the twins to run (the others keep their rows)")
     ap.add_argument("--tables-only", action="store_true", help="rewrite the .md and .png from the JSON")
+    ap.add_argument("--cost", default=None, help="a Qwen3.5 shape (benchmarks/scale.py: qwen35-0.8b, qwen35-4b, "
+                    "qwen35-9b): time and memory against plain quantize, instead of a pair")
+    ap.add_argument("--work", default=tempfile.gettempdir(), help="with --cost: where the shape's files go")
     args = ap.parse_args()
     result = json.loads(OUT.read_text()) if OUT.is_file() else {"pairs": {}}
+    if args.cost:
+        cost = json.loads(COST_OUT.read_text()) if COST_OUT.is_file() else {}
+        cost[args.cost] = part_cost(args.cost, Path(args.work))
+        COST_OUT.write_text(json.dumps(cost, indent=1))
+        write_markdown(result)
+        return
     if args.tables_only:
         write_markdown(result)
         plot(result)
@@ -305,6 +331,55 @@ def main() -> None:
     entry["partial"] = False
     save(entry["twins"][-1])
     plot(result)
+
+
+# the cost arms at Qwen3.5 shapes: the default, and the gradient on one calibration window of 256 tokens (the
+# default's 32 windows of a 9B shape take hours on two cores; auto cuts the windows itself where it takes it)
+COST_ARMS = {"auto (default)": [], "gradient, 1 window": ["--sensitivity", "gradient", "--calib-windows", "1",
+                                                           "--decode-floor", "none"]}
+
+
+def part_cost(shape: str, work: Path) -> dict:
+    """Seconds and peak RSS of plain `quantize --type Q4_K_M` and of each COST_ARMS allocation at that file's size, on
+    a Qwen3.5 shape with random bf16 weights (benchmarks/scale.py's writer), each command in its own process (the
+    wrapper's getrusage of its largest process); every file removed once its numbers are written."""
+    import scale
+    cfg = scale.SHAPES[shape]()
+    d = scale.claim(work / shape)
+    res: dict = {"shape": shape, "provenance": provenance()}
+    try:
+        ckpt, src = d / "ckpt", d / "model-BF16.gguf"
+        res["checkpoint"] = scale.write_checkpoint(cfg, ckpt)
+        r = scale.measured(scale.qg("export", "gguf", str(ckpt), "--out", str(src), "--outtype", "bf16"))
+        res["export"] = {"rc": r["rc"], "seconds": r["seconds"], "peak_rss": r["peak_rss"]}
+        shutil.rmtree(ckpt)
+        plain = d / "Q4_K_M.gguf"
+        r = scale.measured(scale.qg("quantize", str(src), "--type", "Q4_K_M", "--out", str(plain)))
+        res["plain"] = {"rc": r["rc"], "seconds": r["seconds"], "peak_rss": r["peak_rss"]}
+        size = plain.stat().st_size
+        plain.unlink()
+        for arm, extra in COST_ARMS.items():
+            out = d / "auto.gguf"
+            r = scale.measured(scale.qg("quantize", str(src), "--target-size", str(size), *extra, "--out", str(out)))
+            a = {"flags": extra, "rc": r["rc"], "seconds": r["seconds"], "peak_rss": r["peak_rss"],
+                 "time_ratio": r["seconds"] / res["plain"]["seconds"], "peak_ratio": r["peak_rss"] / res["plain"]["peak_rss"]}
+            side = Path(str(out) + ".allocation.json")
+            if r["rc"] == 0 and side.is_file():
+                info = json.loads(side.read_text())
+                a.update(sensitivity_kind=info["sensitivity_kind"], sensitivity_auto=info.get("sensitivity_auto"),
+                         decode_floor_auto=info.get("decode_floor_auto"), phases=info["seconds"],
+                         bytes=out.stat().st_size)
+            else:
+                a["error_line"] = r.get("error_line")
+            out.unlink(missing_ok=True)
+            side.unlink(missing_ok=True)
+            res.setdefault("arms", {})[arm] = a
+            print(json.dumps({"shape": shape, "arm": arm, **{k: a.get(k) for k in ("rc", "seconds", "time_ratio",
+                                                                                  "peak_ratio", "sensitivity_kind")}}),
+                  flush=True)
+    finally:
+        scale.remove_own(d)
+    return res
 
 
 def merge(old: dict, new: dict) -> dict:
