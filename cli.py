@@ -224,7 +224,7 @@ DATA_HELP = ("text source: 'embedded' (the Python standard library's sources, al
 
 
 @main.command()
-@click.option("--preset", type=click.Choice(["tiny", "small", "medium", "base"]), default="small", show_default=True,
+@click.option("--preset", type=click.Choice(["tiny", "small", "medium", "large", "base"]), default="small", show_default=True,
               help="model size: tiny (tests), small (CPU demo), medium (~9M, CPU; rows llama.cpp's k-quants take), "
                    "base (~100M, GPU)")
 @click.option("--arch", type=click.Choice(["attention", "hybrid"]), default="attention", show_default=True,

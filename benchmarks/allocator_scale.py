@@ -52,7 +52,8 @@ METHODS = {"gradient": ["--sensitivity", "gradient"], "auto": [], "auto@9B-budge
            "measured": ["--sensitivity", "measured"]}
 PAIRS = {"attention": ["--twins", "--preset", "small", "--batch-size", 8, "--ctx", 128, "--steps", 300],
          "medium": ["--twins", "--preset", "medium", "--batch-size", 8, "--ctx", 128, "--steps", 300],
-         "hybrid": ["--twins", "--arch", "hybrid", "--preset", "small", "--batch-size", 8, "--ctx", 128, "--steps", 300]}
+         "hybrid": ["--twins", "--arch", "hybrid", "--preset", "small", "--batch-size", 8, "--ctx", 128, "--steps", 300],
+         "large": ["--twins", "--preset", "large", "--batch-size", 8, "--ctx", 128, "--steps", 600]}
 GOAL_KLD, GOAL_DECODE = 0.85, 0.95
 
 

@@ -194,6 +194,10 @@ PRESETS: dict[str, ModelConfig] = {
     # fall back to 32-blocks); still trains on a laptop CPU in minutes
     "medium": ModelConfig(vocab_size=8192, dim=256, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=64,
                           ffn_dim=768, max_seq_len=1024),
+    # large: the allocator benchmarks' CPU-trained pair of issue 50 (rows multiples of 256, d 512, 12 layers, 46M
+    # parameters untied); hours to train on two cores
+    "large": ModelConfig(vocab_size=8192, dim=512, n_layers=12, n_heads=8, n_kv_heads=4, head_dim=64,
+                         ffn_dim=1536, max_seq_len=1024, tie_embeddings=False),
     "base": ModelConfig(vocab_size=32768, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, head_dim=64,
                         ffn_dim=2048, max_seq_len=2048),
 }
