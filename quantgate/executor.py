@@ -81,6 +81,10 @@ class RayExecutor:
                                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))(_call)
         return self.ray.get(task.remote(fn, args, {}, True))
 
+    def this_node(self) -> str:
+        """The node this process runs on (the driver's: where a report times its artifacts)."""
+        return self.ray.get_runtime_context().get_node_id()
+
     def nodes(self) -> list[str]:
         return sorted(n["NodeManagerAddress"] + ":" + n["NodeID"][:8] for n in self.ray.nodes() if n["Alive"])
 

@@ -196,8 +196,8 @@ def test_one_function_opens_a_model_path_as_a_runner():
                         for name in ("LlamaRunner(", "OrtRunner(") if name in MODULES[m].read_text())
     allowed = {"quantgate.quant.ort: OrtRunner("}  # static calibration runs the fp32 export it is quantizing
     assert set(constructs) <= allowed, constructs
-REPORT_PLUMBING = {"quantgate.calib_data", "quantgate.errors", "quantgate.fsio", "quantgate.identity",
-                   "quantgate.progress", "quantgate.stats"}  # stats: the intervals every comparison carries
+REPORT_PLUMBING = {"quantgate.calib_data", "quantgate.errors", "quantgate.executor", "quantgate.fsio",
+                   "quantgate.identity", "quantgate.progress", "quantgate.stats"}  # stats: the intervals comparisons carry
 
 
 def test_the_report_imports_no_exporter_or_quantizer_internals():

@@ -122,10 +122,20 @@ def torch_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, s
             "artifact": str(art)}
 
 
+def base_artifact(s: ReportSettings, ident: Identity, arts: Artifacts, backend: str, twin: str) -> tuple[Path, str]:
+    """(path, key) of the float export every quantized cell of `backend` and `twin` starts from, built if missing."""
+    src = getattr(s, twin)
+    if backend == "gguf":
+        k = ident_key("gguf-F32", ident.code, ident.models[twin])
+        return arts.get(arts.root / "gguf" / f"{twin}-F32.gguf", k, lambda p: export_gguf(src, p, "f32")), k
+    k = ident_key("onnx-fp32", ident.code, ident.models[twin])
+    return arts.get(arts.root / "onnx" / f"{twin}-fp32", k, lambda p: export_onnx(src, p)), k
+
+
 def onnx_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, scheme: str, ids: list[int]) -> dict:
     src, sch = getattr(s, twin), registry_get("onnx", scheme)
-    k32 = ident_key("onnx-fp32", ident.code, ident.models[twin])
-    art = fp32 = arts.get(arts.root / "onnx" / f"{twin}-fp32", k32, lambda p: export_onnx(src, p))
+    art, k32 = base_artifact(s, ident, arts, "onnx", twin)
+    fp32 = art
     if sch.tool != "export":
         k = ident_key("onnx", k32, scheme, ident.calibration(s) if sch.needs_calibration else None)
         art = arts.get(arts.root / "onnx" / f"{twin}-{scheme}", k, lambda p: quantize(fp32, sch, p, _calib(s)))
@@ -143,8 +153,7 @@ def gguf_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, sc
         art = arts.get(root / f"{twin}-F16.gguf", ident_key("gguf-F16", ident.code, ident.models[twin]),
                        lambda p: export_gguf(src, p, "f16"))
     else:
-        k32 = ident_key("gguf-F32", ident.code, ident.models[twin])
-        f32 = arts.get(root / f"{twin}-F32.gguf", k32, lambda p: export_gguf(src, p, "f32"))
+        f32, k32 = base_artifact(s, ident, arts, "gguf", twin)
         calib = ident.calibration(s) if sch.needs_calibration else []  # an imatrix or allocation depends on it
         art = arts.get(root / f"{twin}-{scheme_file}.gguf", ident_key("gguf", k32, scheme_file, *calib),
                        lambda p: quantize(f32, sch, p, _calib(s), threads=s.threads))

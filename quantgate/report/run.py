@@ -1,6 +1,7 @@
 """`run_report(settings)`: every cell run (or read back from a previous run), then report.json, .md and .html."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from ..identity import code_id, content_id
 from ..info import cache_bytes
 from ..progress import console
 from ..executor import Needs, open_executor
-from .cells import Artifacts, cached, cell_speed, score_cell, torch_fp32_cell
+from .cells import Artifacts, base_artifact, cached, cell_speed, score_cell, torch_fp32_cell
 from .conclusion import build_report, training
 from .render import render_html, render_markdown, report_plots
 from .settings import BENCH_TOKENS, DEFAULT_SCHEMES, TWINS, Identity, ReportSettings, check_settings, gated_only
@@ -126,8 +127,7 @@ def cluster_cells(executor, s: ReportSettings, ident: Identity, arts: Artifacts,
     executor.map(_base_artifact, bases, needs, "report: exports on the cluster", shared=dict(s=s, ident=ident))
     scored = executor.map(_accuracy, [(b, t, sc) for *_x, b, t, sc in todo], needs, "report: cells on the cluster",
                           shared=dict(s=s, ident=ident, ids=ids))
-    import ray
-    node = ray.get_runtime_context().get_node_id()
+    node = executor.this_node()
     for (name, path, k, label, b, t, sc), (cell, secs) in zip(todo, scored):
         t0 = time.time()
         if "error" not in cell:
@@ -143,7 +143,6 @@ def cluster_cells(executor, s: ReportSettings, ident: Identity, arts: Artifacts,
 
 
 def _stored(path, k: str) -> dict | None:
-    import json
     try:
         d = json.loads(path.read_text())
     except (OSError, ValueError, UnicodeDecodeError):
@@ -157,17 +156,7 @@ def _artifact_keys(arts: Artifacts) -> list[str]:
 
 def _base_artifact(bt: tuple[str, str], s: ReportSettings, ident: Identity) -> None:
     """The export every cell of one backend and twin starts from (a task)."""
-    from ..export.gguf import export_checkpoint as export_gguf
-    from ..export.onnx import export_checkpoint as export_onnx
-    from ..identity import key as ident_key
-    backend, twin = bt
-    arts, src = Artifacts(Path(s.out) / "artifacts"), getattr(s, twin)
-    if backend == "gguf":
-        arts.get(arts.root / "gguf" / f"{twin}-F32.gguf", ident_key("gguf-F32", ident.code, ident.models[twin]),
-                 lambda p: export_gguf(src, p, "f32"))
-    else:
-        arts.get(arts.root / "onnx" / f"{twin}-fp32", ident_key("onnx-fp32", ident.code, ident.models[twin]),
-                 lambda p: export_onnx(src, p))
+    base_artifact(s, ident, Artifacts(Path(s.out) / "artifacts"), *bt)
 
 
 def _accuracy(cell: tuple, s: ReportSettings, ident: Identity, ids: list[int]) -> tuple[dict, float]:
