@@ -428,6 +428,24 @@ def test_metadata_copy_keeps_every_tensor_byte_and_adds_or_replaces_keys(f32_ggu
     assert all(str(a.fields[k].contents()) == str(b.fields[k].contents()) for k in kept if not k.startswith("GGUF."))
 
 
+@pytest.mark.parametrize("cut", ["in the magic", "in a key", "in the tensor table"])
+def test_a_truncated_header_is_one_error_and_no_guess(f32_gguf, tmp_path, cut):
+    """The header is walked by hand (gguf-py's reader takes ~30 s on a 248K vocabulary): a file cut short inside it
+    is a QuantgateError naming the file, never a header spliced from what the cut left."""
+    from gguf import GGUFReader
+
+    from quantgate.errors import QuantgateError
+    from quantgate.formats.gguf_metadata import copy_with_metadata
+    r = GGUFReader(f32_gguf)
+    at = {"in the magic": 3, "in a key": r.fields["tokenizer.ggml.tokens"].offset + 20,
+          "in the tensor table": r.tensors[0].field.offset + 5}[cut]
+    del r
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(f32_gguf.read_bytes()[:at])
+    with pytest.raises(QuantgateError, match="cut.gguf"):
+        copy_with_metadata(bad, tmp_path / "out.gguf", {"quantgate.test.n": 1})
+
+
 @pytest.mark.parametrize("path", ["kernel", "kernel refuses part-way", "no kernel copy"])
 def test_the_data_copy_appends_every_byte_from_the_offset(tmp_path, monkeypatch, path):
     """copy_with_metadata's tail copy: the kernel's copy_file_range, a refusal after part of it (the rest by
