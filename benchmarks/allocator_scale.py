@@ -286,12 +286,19 @@ def main() -> None:
     ap.add_argument("--cost", default=None, help="a Qwen3.5 shape (benchmarks/scale.py: qwen35-0.8b, qwen35-4b, "
                     "qwen35-9b): time and memory against plain quantize, instead of a pair")
     ap.add_argument("--work", default=tempfile.gettempdir(), help="with --cost: where the shape's files go")
+    ap.add_argument("--cost-arms", default=",".join(COST_ARMS), help="with --cost: the arms to run")
     args = ap.parse_args()
     result = json.loads(OUT.read_text()) if OUT.is_file() else {"pairs": {}}
     if args.cost:
         cost = json.loads(COST_OUT.read_text()) if COST_OUT.is_file() else {}
-        cost[args.cost] = part_cost(args.cost, Path(args.work))
-        COST_OUT.write_text(json.dumps(cost, indent=1))
+        arms = [a for a in args.cost_arms.split(",") if a]
+        if not arms or set(arms) - set(COST_ARMS):
+            ap.error(f"--cost-arms: choose from {', '.join(COST_ARMS)}")
+
+        def save_cost(res: dict) -> None:  # after each arm: a run cut short keeps what it measured
+            cost[args.cost] = res
+            COST_OUT.write_text(json.dumps(cost, indent=1))
+        save_cost(part_cost(args.cost, Path(args.work), arms, save_cost))
         write_markdown(result)
         return
     if args.tables_only:
@@ -340,7 +347,7 @@ COST_ARMS = {"auto (default)": [], "gradient, 1 window": ["--sensitivity", "grad
                                                            "--decode-floor", "none"]}
 
 
-def part_cost(shape: str, work: Path) -> dict:
+def part_cost(shape: str, work: Path, arms: list[str], save=lambda res: None) -> dict:
     """Seconds and peak RSS of plain `quantize --type Q4_K_M` and of each COST_ARMS allocation at that file's size, on
     a Qwen3.5 shape with random bf16 weights (benchmarks/scale.py's writer), each command in its own process (the
     wrapper's getrusage of its largest process); every file removed once its numbers are written."""
@@ -359,7 +366,9 @@ def part_cost(shape: str, work: Path) -> dict:
         res["plain"] = {"rc": r["rc"], "seconds": r["seconds"], "peak_rss": r["peak_rss"]}
         size = plain.stat().st_size
         plain.unlink()
-        for arm, extra in COST_ARMS.items():
+        save({**res, "partial": True})
+        for arm in arms:
+            extra = COST_ARMS[arm]
             out = d / "auto.gguf"
             r = scale.measured(scale.qg("quantize", str(src), "--target-size", str(size), *extra, "--out", str(out)))
             a = {"flags": extra, "rc": r["rc"], "seconds": r["seconds"], "peak_rss": r["peak_rss"],
@@ -378,6 +387,7 @@ def part_cost(shape: str, work: Path) -> dict:
             print(json.dumps({"shape": shape, "arm": arm, **{k: a.get(k) for k in ("rc", "seconds", "time_ratio",
                                                                                   "peak_ratio", "sensitivity_kind")}}),
                   flush=True)
+            save({**res, "partial": True})
     finally:
         scale.remove_own(d)
     return res
