@@ -268,6 +268,32 @@ def test_a_written_file_misses_its_floor_only_when_measurably_slower():
     assert d["rounds"] == 9 and d["ratio_range"] == [0.85, 1.01] and d["met"] is False
 
 
+@pytest.mark.parametrize("sets, met, timed", [
+    ([[1.0] * 9], True, 1),                                   # met at once: timed once
+    ([[0.9] * 9], False, 1),                                  # measurably slower at once: no second timing
+    ([[0.96, 1.0, 1.01, 0.95, 0.97, 1.02, 0.96, 0.97, 1.0], [1.0, 1.02, 0.99, 1.01, 1.0, 1.03, 0.99, 1.01, 1.0]],
+     True, 2),                                                # median 0.97 but 4 of 9 as fast: timed again, met
+    ([[0.96, 1.0, 1.01, 0.95, 0.97, 1.02, 0.96, 0.97, 1.0]] * 3, False, 3),  # inconclusive every time: 3 sets, then no
+])
+def test_an_inconclusive_floor_check_is_timed_again_and_decided_on_every_round(monkeypatch, sets, met, timed):
+    """check_against: a median under CHECK_MEDIAN that the sign test does not back is timed again (at most
+    CHECK_EXTENSIONS more sets of rounds) and decided on all of them; a met or measurably slower check is not."""
+    from pathlib import Path
+
+    from quantgate.quant import decode_cost
+    from quantgate.quant.targets import DecodeFloor
+    calls = []
+
+    def rounds(files, threads, kv):
+        ratio = sets[len(calls)]
+        calls.append(1)
+        return {"written": [1.0 / r for r in ratio], "reference": [1.0] * len(ratio)}
+    monkeypatch.setattr(decode_cost, "decode_rounds", rounds)
+    check = decode_cost.check_against({"written": Path("w"), "reference": Path("r")}, DecodeFloor(reference="Q4_K_M"), 1)
+    assert check.met is met and len(calls) == timed and len(check.ratios) == 9 * timed
+    assert decode_cost.CHECK_EXTENSIONS == 2
+
+
 def test_decode_floors_parse_and_bad_ones_are_one_line():
     assert parse_floor("40").tps == 40.0 and str(parse_floor("40")) == "40 tok/s"
     f = parse_floor("0.95*q4_k_m")
