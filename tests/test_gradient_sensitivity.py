@@ -143,6 +143,7 @@ def test_the_gradient_sensitivity_is_cached_by_content(k_quant_gguf, tmp_path, m
     assert other.delta != g.delta and len(list((tmp_path / "cache").glob("sens-*.json"))) == 2
 
 
+@pytest.mark.slow  # moved out of the default step (its 25-minute limit); CI's slow step runs it
 def test_the_calibrated_sensitivity_is_the_measurement_where_it_measured(k_quant_gguf, tmp_path, monkeypatch):
     """One probe per tensor at Q4_K (the bulk of a Q4_K_M file): its delta there is what the measured sensitivity gives
     for that tensor and type (measured here on Q4_K alone), its other types keep the gradient's ratios, the base

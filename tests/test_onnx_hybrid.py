@@ -148,6 +148,7 @@ def test_hybrid_export_options_it_cannot_honour_are_refused(exported, tmp_path):
     assert dir_snapshot(d) == before
 
 
+@pytest.mark.slow  # moved out of the default step (its 25-minute limit); CI's slow step runs it
 def test_weights_over_the_inline_limit_go_to_one_external_data_file(tmp_path, monkeypatch):
     """A real hybrid (Qwen3.5-0.8B: 3 GB of fp32) is over protobuf's 2 GiB: export and quantizers write the weights to
     model.onnx.data beside the graph. Shown with the limit lowered to 1 KiB."""

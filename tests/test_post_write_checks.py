@@ -48,7 +48,7 @@ def test_quantize_gguf(twins, tmp_path, monkeypatch):
     _nothing_left(tmp_path, set())
 
 
-@pytest.mark.parametrize("check", ["onnx's checker", "quantgate's reader"])
+@pytest.mark.parametrize("check", [pytest.param("onnx's checker", marks=pytest.mark.slow), "quantgate's reader"])
 def test_export_onnx(twins, tmp_path, monkeypatch, check):
     import quantgate.formats.onnx_io as io
     if check == "onnx's checker":

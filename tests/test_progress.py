@@ -25,6 +25,7 @@ def _timed_stderr(args: list[str], env: dict) -> tuple[int, list[tuple[float, st
     return rc, lines
 
 
+@pytest.mark.slow  # moved out of the default step (its 25-minute limit); CI's slow step runs it
 def test_training_in_a_log_prints_plain_progress_lines_with_no_long_gap(tmp_path):
     d = save_tiny_twins(tmp_path)
     args = ["train", "--twins", "--preset", "tiny", "--byte-tokenizer", "--data", str(d / "text.txt"), "--steps", "60",

@@ -81,6 +81,7 @@ def _kept_at_8_bits(backend: str, path) -> dict[int, set]:
     return kept
 
 
+@pytest.mark.slow  # moved out of the default step (its 25-minute limit); CI's slow step runs it
 def test_gate_aware_cells_keep_the_same_tensors_at_8_bits_on_torch_onnx_and_gguf(tmp_path):
     from quantgate.export.onnx import export_checkpoint as export_onnx
     from quantgate.quant import quantize

@@ -114,7 +114,7 @@ def cluster_cells(executor, s: ReportSettings, ident: Identity, arts: Artifacts,
     built there; the exports the cells of one backend and twin share are built first, one task each, so that no two
     tasks build the same file), then every artifact is timed on this process's node, one task at a time, so the
     speed columns come from one machine with nothing else running on it. Cells are stored as they complete."""
-    cells, todo = {}, []
+    cells, todo, at_start = {}, [], executor.nodes()
     for name, path, k, label, b, t, sc in plan:
         d = _stored(path, k)
         if d is not None:
@@ -138,7 +138,7 @@ def cluster_cells(executor, s: ReportSettings, ident: Identity, arts: Artifacts,
         cells[name] = cell
     for rel in _artifact_keys(arts):
         arts.log.setdefault(rel, {"key": arts.key_of(rel), "built": True})
-    return cells, {"name": "ray", "nodes": executor.nodes(), "speed_node": node,
+    return cells, {"name": "ray", "nodes": at_start, "nodes_at_end": executor.nodes(), "speed_node": node,
                    "speed": "every artifact timed on speed_node, one task at a time, after the cells were scored"}
 
 

@@ -42,7 +42,7 @@ VERBS = {
 }
 
 
-SLOW = {"export onnx"}  # a minute of tracing; CI's slow step runs it
+SLOW = {"export onnx", "report"}  # a minute of tracing, a report's cells; CI's slow step runs them
 
 
 @pytest.mark.parametrize("verb", [pytest.param(v, marks=pytest.mark.slow) if v in SLOW else v for v in VERBS])

@@ -184,10 +184,10 @@ def _check_resume(twins: Path, out: Path, cache: Path) -> None:
     assert done and all(rep["timings_s"][label[c]] == 0.0 for c in done), (done, rep["timings_s"])  # reused
 
 
-# Ctrl-C to the report alone runs in the slow step: the default step sends it to the whole process group
-# (what a terminal does, and the harder case) in the test after this one.
+# Signals during a report run in CI's slow step (a report's cells take a minute; the default step's 25-minute
+# limit): Ctrl-C and SIGTERM to the report alone here, Ctrl-C to the whole process group in the test after this one.
 REPORT_SIGS = [pytest.param(signal.SIGINT, 130, id="ctrl-c", marks=pytest.mark.slow),
-               pytest.param(signal.SIGTERM, 143, id="sigterm")]
+               pytest.param(signal.SIGTERM, 143, id="sigterm", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("sig,code", REPORT_SIGS)
@@ -214,6 +214,7 @@ def test_ctrl_c_to_the_process_group_during_report_then_resume(twins, tmp_path):
     _check_resume(twins, out, tmp_path / "cache")
 
 
+@pytest.mark.slow  # moved out of the default step (its 25-minute limit); CI's slow step runs it
 def test_sigterm_during_training_then_resume(twins, tmp_path):
     out = tmp_path / "run"
     args = ["train", "--preset", "tiny", "--byte-tokenizer", "--data", str(twins / "text.txt"), "--steps", "120",
