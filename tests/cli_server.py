@@ -20,6 +20,11 @@ SERVER = r"""
 import json, os, signal, sys, time
 import quantgate.cli as cli
 import numpy, torch, onnx, onnxruntime, safetensors, tokenizers, gguf  # noqa: F401  (the imports worth sharing)
+# the modules cli.py imports when a command runs (~1.4 s a command otherwise); none reads the environment when imported
+import quantgate.train, quantgate.report, quantgate.quant.build, quantgate.quant.allocate  # noqa: F401,E401
+import quantgate.quant.allocate_onnx, quantgate.quant.allocate_torch, quantgate.info, quantgate.generate  # noqa: F401,E401
+import quantgate.evaluate, quantgate.demo, quantgate.attribution, quantgate.analyze  # noqa: F401,E401
+import quantgate.export.onnx, quantgate.export.gguf  # noqa: F401,E401
 out = sys.stdout
 for line in sys.stdin:
     req = json.loads(line)
