@@ -235,6 +235,7 @@ def write_markdown(result: dict) -> None:
                   "the plain Q4_K_M file's size.", "",
                   "| shape | plain Q4_K_M s, GB | arm | chose | s | peak GB | time ratio | peak ratio | phases (s) |",
                   "|---|---|---|---|---|---|---|---|---|"]
+        runs = []
         for shape, c in cost.items():
             pl = c["plain"]
             for arm, a in c.get("arms", {}).items():
@@ -242,7 +243,9 @@ def write_markdown(result: dict) -> None:
                              f"{a.get('sensitivity_kind', 'failed')} | {a['seconds']:.0f} | {a['peak_rss'] / 1e9:.2f} | "
                              f"{a['time_ratio']:.2f} | {a['peak_ratio']:.2f} | {a.get('phases')} |")
             pv = c["provenance"]
-            lines.append(f"\n`{pv['command']}` at {pv['commit']}{' (dirty)' if pv['dirty'] else ''}, {pv['date']}\n")
+            runs.append(f"- {shape}: `{pv['command']}` at {pv['commit']}{' (dirty)' if pv['dirty'] else ''}, "
+                        f"{pv['date']}" + (f"; {c['note']}" if c.get("note") else ""))
+        lines += ["", *runs, ""]
     (RESULTS / "allocator_scale.md").write_text("\n".join(lines))
 
 
