@@ -10,6 +10,8 @@ import tempfile
 import threading
 import time
 
+import pytest
+
 from conftest import save_tiny_twins
 
 

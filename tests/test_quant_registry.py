@@ -4,6 +4,7 @@ import json
 import re
 
 import gguf
+import pytest
 
 from conftest import run_cli, save_k_quant_model
 from quantgate.quant import SCHEMES, get, names, plain_of
