@@ -137,8 +137,8 @@ def test_a_report_on_two_nodes_gives_the_local_numbers_and_survives_a_node_kille
             if k in cell:
                 assert killed["cells"][name][k] == pytest.approx(cell[k], rel=1e-6, abs=1e-12), (name, k)
         assert ("decode_tps" in cell) == ("decode_tps" in killed["cells"][name]), name
-    ex = killed["executor"]  # two nodes when the cells started, one when the speed columns were timed, on it
-    assert ex["name"] == "ray" and len(ex["nodes"]) == 2 and len(ex["nodes_at_end"]) == 1, ex
-    assert ex["nodes_at_end"][0].endswith(ex["speed_node"][:8]), ex
+    ex = killed["executor"]  # two nodes when the cells started; the speed columns timed on the head, still alive
+    assert ex["name"] == "ray" and len(ex["nodes"]) == 2, ex
+    assert [n for n in ex["nodes_at_end"] if n.endswith(ex["speed_node"][:8])], ex
     keys = json.loads((tmp_path / "killed" / "artifacts" / "keys.json").read_text())
     assert set(keys) == set(killed["artifacts"]) and all((tmp_path / "killed" / "artifacts" / k).exists() for k in keys)
