@@ -85,9 +85,9 @@ def _pack_kv(key: str, v, order: str) -> bytes:
     raise QuantgateError(f"cannot store {type(v).__name__} in GGUF metadata")
 
 
-def _read_header(f, src: Path) -> tuple[bytes, str, int, int]:
-    """The header's bytes (grown until they hold every key and the tensor table), its byte order, its version and
-    the tensor count."""
+def _read_header(f, src: Path) -> tuple[bytes, str, int]:
+    """The fixed part of the header (24 bytes), its byte order and the tensor count; a file that is not GGUF v2+ is
+    one error."""
     first = f.read(24)
     if len(first) < 24 or first[:4] != b"GGUF":
         raise QuantgateError(f"{src}: not a GGUF file")
@@ -95,13 +95,14 @@ def _read_header(f, src: Path) -> tuple[bytes, str, int, int]:
     version, n_tensors = struct.unpack_from(order + "IQ", first, 4)
     if version < 2:
         raise QuantgateError(f"{src}: GGUF version {version} is older than this writer reads")
-    return first, order, version, n_tensors
+    return first, order, n_tensors
 
 
 def _parse(f, src: Path):
-    """Walk the header: (byte order, version, tensor count, [(key, start, end)], tensor table span, alignment)."""
+    """Walk the header, reading more of the file until it holds every key and the tensor table: (byte order, tensor
+    count, the header's bytes, [(key, start, end)], the tensor table's span, alignment)."""
     size, chunk = os.fstat(f.fileno()).st_size, 1 << 20
-    first, order, version, n_tensors = _read_header(f, src)
+    first, order, n_tensors = _read_header(f, src)
     buf = first
     while True:
         try:

@@ -134,8 +134,8 @@ def base_artifact(s: ReportSettings, ident: Identity, arts: Artifacts, backend: 
 
 def onnx_cell(s: ReportSettings, ident: Identity, arts: Artifacts, twin: str, scheme: str, ids: list[int]) -> dict:
     src, sch = getattr(s, twin), registry_get("onnx", scheme)
-    art, k32 = base_artifact(s, ident, arts, "onnx", twin)
-    fp32 = art
+    fp32, k32 = base_artifact(s, ident, arts, "onnx", twin)
+    art = fp32
     if sch.tool != "export":
         k = ident_key("onnx", k32, scheme, ident.calibration(s) if sch.needs_calibration else None)
         art = arts.get(arts.root / "onnx" / f"{twin}-{scheme}", k, lambda p: quantize(fp32, sch, p, _calib(s)))
